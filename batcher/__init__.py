@@ -1,0 +1,1 @@
+"""The batcher: plans steps for a pool of ranks and moves requests through it."""

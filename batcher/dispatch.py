@@ -1,0 +1,36 @@
+"""Splitting a pool's StepPlan into one RankStepPlan per rank: diffs only, vLLM-style."""
+
+from __future__ import annotations
+
+from batcher.intake import Tracked
+from batcher.scheduler import StepPlan
+from schemas.config import Settings
+from schemas.control import NewRequest, PrefillChunk, RankStepPlan
+
+
+def rank_plans(plan: StepPlan, tracked: dict[str, Tracked], epoch: int, step: int,
+               settings: Settings) -> list[RankStepPlan]:
+    """Per-rank messages; a request's prompt and sampling travel once, when it is admitted."""
+    plans: dict[int, RankStepPlan] = {}
+
+    def for_rank(rank: int) -> RankStepPlan:
+        if rank not in plans:
+            plans[rank] = RankStepPlan(epoch=epoch, step=step, rank=rank)
+        return plans[rank]
+
+    for seq in plan.admitted:
+        entry = tracked[seq.request_id]
+        request = entry.request
+        for_rank(seq.rank).new_requests.append(NewRequest(
+            request_id=seq.request_id, slot=seq.slot, prompt_token_ids=entry.prompt_ids,
+            num_prompt_tokens=len(entry.prompt_ids), sampling=request.sampling,
+            result_ttl_s=request.result_ttl_s or settings.result_ttl_s,
+        ))
+    for launch in plan.decode_launches:
+        for rank, rows in launch.items():
+            for_rank(rank).decode_launches.append([seq.slot for seq in rows])
+    for rank, chunks in plan.prefill.items():
+        for_rank(rank).prefill.extend(
+            PrefillChunk(slot=c.slot, start=c.start, num_tokens=c.num_tokens) for c in chunks
+        )
+    return [plans[rank] for rank in sorted(plans)]

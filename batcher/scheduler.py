@@ -1,0 +1,205 @@
+"""The step planner (DESIGN §3): a pure function of pool state and config, no I/O, no torch.
+
+`plan_step` admits waiting requests and packs decode rows and prefill chunks onto the
+fixed launches; `finish` applies a request's end. Only these two mutate a Sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class PlannerConfig:
+    """The limits the planner packs under."""
+
+    num_ranks: int
+    max_num_seqs: int
+    kv_slots_per_rank: int
+    decode_batch: int
+    prefill_chunk: int
+    prefill_slots: int
+    lockstep: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("num_ranks", "max_num_seqs", "kv_slots_per_rank", "decode_batch",
+                     "prefill_chunk", "prefill_slots"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(slots=True)
+class Sequence:
+    """Planner view of one request: plain counters, as the batcher knows them."""
+
+    request_id: str
+    num_prompt_tokens: int  # tokens to prefill: the prompt plus any tokens resumed after recovery
+    max_new_tokens: int  # tokens this run may still produce
+    order: int  # arrival order, for FIFO fairness
+    priority: int = 0
+    rank: int = -1
+    slot: int = -1
+    num_prefilled: int = 0
+    num_planned_tokens: int = 0  # tokens the planned steps will have produced, at most
+
+    @property
+    def is_admitted(self) -> bool:
+        """True once the request holds a KV slot."""
+        return self.slot >= 0
+
+    @property
+    def is_prefilled(self) -> bool:
+        """True once every prompt token has been planned for prefill."""
+        return self.num_prefilled >= self.num_prompt_tokens
+
+    @property
+    def wants_decode(self) -> bool:
+        """True while a decode step could still produce a token for it."""
+        return self.is_prefilled and self.num_planned_tokens < self.max_new_tokens
+
+
+@dataclass(slots=True)
+class PrefillWork:
+    """One prefill launch: tokens [start, start + num_tokens) of a request."""
+
+    request_id: str
+    slot: int
+    start: int
+    num_tokens: int
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """A whole pool's step: launch k of `decode_launches` maps rank -> its rows' slots."""
+
+    admitted: list[Sequence] = field(default_factory=list)
+    decode_launches: list[dict[int, list[Sequence]]] = field(default_factory=list)
+    prefill: dict[int, list[PrefillWork]] = field(default_factory=dict)
+
+    @property
+    def is_empty(self) -> bool:
+        """True when the step has no launch to run."""
+        return not self.decode_launches and not any(self.prefill.values())
+
+
+@dataclass(slots=True)
+class PoolState:
+    """What the planner knows of a pool: waiting and running requests and free KV slots."""
+
+    config: PlannerConfig
+    waiting: list[Sequence] = field(default_factory=list)
+    running: dict[str, Sequence] = field(default_factory=dict)
+    free_slots: list[list[int]] = field(default_factory=list)
+    live_ranks: set[int] = field(default_factory=set)
+    next_rank: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.free_slots:
+            self.free_slots = [
+                list(range(self.config.kv_slots_per_rank)) for _ in range(self.config.num_ranks)
+            ]
+        if not self.live_ranks:
+            self.live_ranks = set(range(self.config.num_ranks))
+
+    def num_free_slots(self) -> int:
+        """Free KV slots over live ranks."""
+        return sum(len(self.free_slots[r]) for r in self.live_ranks)
+
+    def room(self) -> int:
+        """How many more requests could be admitted now."""
+        return max(0, min(self.config.max_num_seqs - len(self.running), self.num_free_slots()))
+
+
+def plan_step(state: PoolState) -> StepPlan:
+    """Admit what fits, then plan decode for every prefilled request, then prefill chunks."""
+    plan = StepPlan(admitted=_admit(state))
+    by_rank: dict[int, list[Sequence]] = {r: [] for r in sorted(state.live_ranks)}
+    for seq in state.running.values():
+        if seq.rank in by_rank:
+            by_rank[seq.rank].append(seq)
+    plan.decode_launches = _plan_decode(by_rank, state.config)
+    plan.prefill = _plan_prefill(by_rank, state.config)
+    return plan
+
+
+def finish(state: PoolState, request_id: str) -> Sequence | None:
+    """Remove a finished (or cancelled, or failed) request and free its slot."""
+    seq = state.running.pop(request_id, None)
+    if seq is None:
+        waiting = [s for s in state.waiting if s.request_id == request_id]
+        for s in waiting:
+            state.waiting.remove(s)
+        return waiting[0] if waiting else None
+    slots = state.free_slots[seq.rank]
+    slots.append(seq.slot)
+    slots.sort()
+    return seq
+
+
+def _admit(state: PoolState) -> list[Sequence]:
+    admitted: list[Sequence] = []
+    state.waiting.sort(key=lambda s: (-s.priority, s.order))
+    while state.waiting and state.room() > 0:
+        seq = state.waiting.pop(0)
+        rank = _pick_rank(state)
+        seq.rank = rank
+        seq.slot = state.free_slots[rank].pop(0)
+        state.running[seq.request_id] = seq
+        admitted.append(seq)
+    return admitted
+
+
+def _pick_rank(state: PoolState) -> int:
+    """The live rank with the most free slots; ties go round-robin."""
+    ranks = sorted(state.live_ranks)
+    most = max(len(state.free_slots[r]) for r in ranks)
+    tied = [r for r in ranks if len(state.free_slots[r]) == most]
+    chosen = next((r for r in tied if r >= state.next_rank), tied[0])
+    state.next_rank = (chosen + 1) % state.config.num_ranks
+    return chosen
+
+
+def _plan_decode(
+    by_rank: dict[int, list[Sequence]], config: PlannerConfig
+) -> list[dict[int, list[Sequence]]]:
+    """Launch k holds the k-th micro-batch of every rank: no rank over `decode_batch` rows."""
+    launches: list[dict[int, list[Sequence]]] = []
+    for rank, seqs in by_rank.items():
+        rows = sorted((s for s in seqs if s.wants_decode), key=lambda s: s.slot)
+        for k in range(0, len(rows), config.decode_batch):
+            index = k // config.decode_batch
+            if index == len(launches):
+                launches.append({})
+            launches[index][rank] = rows[k : k + config.decode_batch]
+    for launch in launches:
+        for rows in launch.values():
+            for seq in rows:
+                seq.num_planned_tokens += 1
+        if config.lockstep:
+            for rank in by_rank:
+                launch.setdefault(rank, [])
+    return launches
+
+
+def _plan_prefill(
+    by_rank: dict[int, list[Sequence]], config: PlannerConfig
+) -> dict[int, list[PrefillWork]]:
+    """Up to `prefill_slots` chunks per rank, oldest request first."""
+    prefill: dict[int, list[PrefillWork]] = {}
+    for rank, seqs in by_rank.items():
+        pending = sorted((s for s in seqs if not s.is_prefilled), key=lambda s: s.order)
+        chunks = []
+        for seq in pending[: config.prefill_slots]:
+            num_tokens = min(config.prefill_chunk, seq.num_prompt_tokens - seq.num_prefilled)
+            chunks.append(PrefillWork(seq.request_id, seq.slot, seq.num_prefilled, num_tokens))
+            seq.num_prefilled += num_tokens
+            if seq.is_prefilled:
+                seq.num_planned_tokens += 1  # the step that completes a prompt samples a token
+        if chunks:
+            prefill[rank] = chunks
+    if config.lockstep and prefill:
+        most = max(len(c) for c in prefill.values())
+        for rank in by_rank:
+            chunks = prefill.setdefault(rank, [])
+            chunks += [PrefillWork("", -1, 0, 0) for _ in range(most - len(chunks))]
+    return prefill

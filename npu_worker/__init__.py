@@ -1,0 +1,1 @@
+"""A worker rank: model, KV cache, fixed-shape launches, sampler, detokenizer, publisher."""

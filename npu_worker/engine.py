@@ -1,0 +1,199 @@
+"""One rank's step execution: plan in, sampled tokens and result chunks out, no Redis.
+
+The engine keeps each request's state by KV slot (its tokens, last token, sampler seed,
+detokenizer). `execute` runs a rank's decode launches, then its prefill launches, samples,
+applies stop conditions and returns the chunks to publish and the step result.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+
+import torch
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
+from npu_worker.runner import LaunchRunner
+from npu_worker.sampler import SamplingRows, sample
+from schemas.control import NewRequest, RankStepPlan, RequestOutcome, StepResult
+from schemas.messages import FinishReason, ResultChunk, SamplingParams, Usage
+
+
+@dataclass(slots=True)
+class RequestState:
+    """What a rank holds for one request in one of its KV slots."""
+
+    request_id: str
+    slot: int
+    token_ids: list[int]  # prompt (plus tokens resumed after recovery), then new tokens
+    num_prompt_tokens: int
+    num_context_tokens: int  # tokens of token_ids that are prompt for this run
+    sampling: SamplingParams
+    seed: int
+    next_index: int  # completion index of the next token
+    next_seq: int
+    result_ttl_s: int
+    decoder: DecodeStream
+    pending_ids: list[int] = field(default_factory=list)
+    pending_text: list[str] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+
+    @property
+    def num_completion_tokens(self) -> int:
+        """Tokens generated so far, including any published before a recovery."""
+        return self.next_index
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What a step produced on a rank: chunks to publish, TTLs to set, the step result."""
+
+    chunks: list[ResultChunk]
+    expiring: dict[str, int]  # request_id -> result_ttl_s of streams that just ended
+    result: StepResult
+
+
+class RankEngine:
+    """Executes one rank's step plans against its launch runner."""
+
+    def __init__(self, runner: LaunchRunner, tokenizer: Tokenizer, eos_token_ids: tuple[int, ...],
+                 max_model_len: int, rank: int = 0) -> None:
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.eos_token_ids = set(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.rank = rank
+        self.epoch = -1
+        self.slots: dict[int, RequestState] = {}
+
+    def reset(self, epoch: int) -> None:
+        """Drop every request: a new batcher epoch re-sends what it still wants."""
+        self.epoch = epoch
+        self.slots.clear()
+
+    def execute(self, plan: RankStepPlan) -> StepOutput:
+        """Run a plan: register new requests, decode launches, prefill launches, publish."""
+        started = time.perf_counter()
+        if plan.epoch != self.epoch:
+            self.reset(plan.epoch)
+        for slot in plan.release_slots:
+            self.slots.pop(slot, None)
+        for new in plan.new_requests:
+            self.slots[new.slot] = self._admit(new)
+        result = StepResult(epoch=plan.epoch, step=plan.step, rank=self.rank)
+        touched: list[RequestState] = []
+        for launch in plan.decode_launches:
+            touched += self._decode(launch, result)
+        for chunk in plan.prefill:
+            state = self._prefill(chunk.slot, chunk.start, chunk.num_tokens)
+            result.num_prefill_launches += 1
+            if state is not None:
+                touched.append(state)
+        output = self._collect(touched, result)
+        result.exec_ms = (time.perf_counter() - started) * 1000
+        return output
+
+    def _admit(self, new: NewRequest) -> RequestState:
+        seed = new.sampling.seed if new.sampling.seed is not None else secrets.randbits(63)
+        return RequestState(
+            request_id=new.request_id,
+            slot=new.slot,
+            token_ids=list(new.prompt_token_ids),
+            num_prompt_tokens=new.num_prompt_tokens,
+            num_context_tokens=len(new.prompt_token_ids),
+            sampling=new.sampling,
+            seed=seed,
+            next_index=new.start_index,
+            next_seq=new.start_seq,
+            result_ttl_s=new.result_ttl_s,
+            decoder=DecodeStream(skip_special_tokens=True),
+        )
+
+    def _decode(self, slots: list[int], result: StepResult) -> list[RequestState]:
+        live = [s for s in slots if s in self.slots and self.slots[s].finish_reason is None
+                and len(self.slots[s].token_ids) > self.slots[s].num_context_tokens]
+        states = [self.slots[s] for s in live]
+        logits = self.runner.decode(
+            live, [st.token_ids[-1] for st in states], [len(st.token_ids) - 1 for st in states]
+        )
+        result.num_decode_launches += 1
+        result.num_decode_rows += len(states)
+        result.num_padding_rows += self.runner.decode_batch - len(states)
+        if states:
+            self._sample_into(states, logits)
+        return states
+
+    def _prefill(self, slot: int, start: int, num_tokens: int) -> RequestState | None:
+        if num_tokens == 0:
+            self.runner.dummy_prefill()
+            return None
+        state = self.slots.get(slot)
+        if state is None or state.finish_reason is not None:
+            return None
+        logits = self.runner.prefill(slot, state.token_ids[start : start + num_tokens], start)
+        if start + num_tokens < state.num_context_tokens:
+            return None
+        self._sample_into([state], logits)
+        return state
+
+    def _sample_into(self, states: list[RequestState], logits: torch.Tensor) -> None:
+        rows = self._sampling_rows(states)
+        token_ids = sample(logits, rows).tolist()
+        for state, token in zip(states, token_ids):
+            self._append(state, int(token))
+
+    def _sampling_rows(self, states: list[RequestState]) -> SamplingRows:
+        device = self.runner.device
+
+        def column(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        return SamplingRows(
+            temperature=column([s.sampling.temperature for s in states], torch.float32),
+            top_k=column([s.sampling.top_k for s in states], torch.long),
+            top_p=column([s.sampling.top_p for s in states], torch.float32),
+            min_p=column([s.sampling.min_p for s in states], torch.float32),
+            seed=column([s.seed for s in states], torch.long),
+            index=column([s.next_index for s in states], torch.long),
+        )
+
+    def _append(self, state: RequestState, token: int) -> None:
+        state.token_ids.append(token)
+        state.next_index += 1
+        state.pending_ids.append(token)
+        text = state.decoder.step(self.tokenizer, token)
+        if text:
+            state.pending_text.append(text)
+        sampling = state.sampling
+        if token in sampling.stop_token_ids or (
+            token in self.eos_token_ids and not sampling.ignore_eos
+        ):
+            state.finish_reason = FinishReason.STOP
+        elif state.next_index >= sampling.max_tokens or len(state.token_ids) >= self.max_model_len:
+            state.finish_reason = FinishReason.LENGTH
+
+    def _collect(self, touched: list[RequestState], result: StepResult) -> StepOutput:
+        chunks: list[ResultChunk] = []
+        expiring: dict[str, int] = {}
+        for state in touched:
+            first_index = state.next_index - len(state.pending_ids)
+            final = state.finish_reason is not None
+            chunks.append(ResultChunk(
+                id=state.request_id, seq=state.next_seq, index=first_index,
+                token_ids=state.pending_ids, text="".join(state.pending_text),
+                finish_reason=state.finish_reason,
+                usage=Usage(prompt_tokens=state.num_prompt_tokens,
+                            completion_tokens=state.num_completion_tokens) if final else None,
+            ))
+            result.outcomes.append(RequestOutcome(
+                request_id=state.request_id, num_new_tokens=len(state.pending_ids),
+                finish_reason=state.finish_reason,
+            ))
+            state.next_seq += 1
+            state.pending_ids, state.pending_text = [], []
+            if final:
+                expiring[state.request_id] = state.result_ttl_s
+                self.slots.pop(state.slot, None)
+        return StepOutput(chunks, expiring, result)

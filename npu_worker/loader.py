@@ -1,0 +1,91 @@
+"""Loading a model directory (config, safetensors shards, tokenizer) onto a device."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from tokenizers import Tokenizer
+
+from npu_worker.model import CausalLM
+from npu_worker.model_config import ModelConfig, UnsupportedModel
+
+DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    """A model on its device with its tokenizer and the facts the pool needs."""
+
+    path: Path
+    config: ModelConfig
+    model: CausalLM
+    tokenizer: Tokenizer
+    dtype: torch.dtype
+    device: torch.device
+
+
+def resolve_model_dir(model: str) -> Path:
+    """`tiny` builds (once) and returns the tiny model; anything else is a local directory."""
+    if model == "tiny":
+        from npu_worker.tiny import ensure_tiny_model
+
+        return ensure_tiny_model()
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise UnsupportedModel(f"model directory {path} does not exist (models load from disk only)")
+    return path
+
+
+def load_model(path: Path, dtype_name: str, device: torch.device, max_kv_len: int) -> LoadedModel:
+    """Build the model from `path` and load its weights; raises UnsupportedModel with the reason."""
+    config = ModelConfig.from_dir(path)
+    tokenizer_path = path / "tokenizer.json"
+    if not tokenizer_path.exists():
+        raise UnsupportedModel(f"{path} has no tokenizer.json")
+    tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    dtype = DTYPES.get(config.torch_dtype, torch.float32) if dtype_name == "auto" else DTYPES[dtype_name]
+    if dtype == torch.float16 and device.type == "cpu":
+        dtype = torch.bfloat16
+    model = CausalLM(config, max_positions=max_kv_len)
+    state = _read_weights(path)
+    if config.tie_word_embeddings or "lm_head.weight" not in state:
+        state.pop("lm_head.weight", None)
+        model.tie_weights()
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if k != "lm_head.weight" or not _is_tied(model)]
+    if missing:
+        raise UnsupportedModel(f"{path}: weights missing from the checkpoint: {missing[:8]}")
+    unexpected = [k for k in unexpected if not k.endswith("rotary_emb.inv_freq")]
+    if unexpected:
+        raise UnsupportedModel(f"{path}: unexpected weights in the checkpoint: {unexpected[:8]}")
+    model.to(device=device, dtype=dtype).eval()
+    model.rope_cos = model.rope_cos.float()
+    model.rope_sin = model.rope_sin.float()
+    return LoadedModel(path, config, model, tokenizer, dtype, device)
+
+
+def _is_tied(model: CausalLM) -> bool:
+    return model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise UnsupportedModel(f"{path} holds no *.safetensors weights")
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        state.update(load_file(str(path / name)))
+    return state

@@ -1,0 +1,188 @@
+"""A Llama-family decoder (Llama, Mistral, Qwen2) that reads and writes a static KV cache.
+
+Module names follow Hugging Face checkpoints, so a state dict loads as it is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from npu_worker.model_config import ModelConfig
+
+
+@dataclass(slots=True)
+class LaunchInputs:
+    """One launch at a fixed shape [B, S].
+
+    Rows read their cache in place from slots [window_start, window_start + B) when
+    `window_start` is set (row i is slot window_start + i), else gathered by `slot_ids`.
+    Only the first `span` cache positions are read; later ones are masked by position anyway.
+    """
+
+    input_ids: torch.Tensor  # [B, S]
+    positions: torch.Tensor  # [B, S], where each token's K/V is written and which keys it sees
+    slot_ids: torch.Tensor  # [B]
+    logit_index: torch.Tensor  # [B], the position within S whose logits are returned
+    span: int
+    window_start: int | None
+
+
+class KVCache:
+    """Per-layer K and V buffers [slots, kv_heads, positions + 1, head_dim], allocated once.
+
+    The extra last position is scratch: padding rows write there, and no query reads it.
+    """
+
+    def __init__(self, config: ModelConfig, num_slots: int, max_kv_len: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        shape = (num_slots, config.num_kv_heads, max_kv_len + 1, config.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.num_slots = num_slots
+        self.max_kv_len = max_kv_len
+
+    @property
+    def scratch_position(self) -> int:
+        """The position padding rows write to."""
+        return self.max_kv_len
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                launch: LaunchInputs, cache: KVCache) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q = self.q_proj(x).view(batch, seq, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        k_cache, v_cache = cache.k[self.layer], cache.v[self.layer]
+        rows = launch.slot_ids[:, None]
+        k_cache[rows, :, launch.positions] = k.to(k_cache.dtype)
+        v_cache[rows, :, launch.positions] = v.to(v_cache.dtype)
+        if launch.window_start is not None:
+            window = slice(launch.window_start, launch.window_start + batch)
+            keys, values = k_cache[window, :, : launch.span], v_cache[window, :, : launch.span]
+        else:
+            keys = k_cache[launch.slot_ids, :, : launch.span]
+            values = v_cache[launch.slot_ids, :, : launch.span]
+        out = _attend(q, keys, values, launch.positions, self.num_kv_heads)
+        return self.o_proj(out.reshape(batch, seq, self.num_heads * self.head_dim))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, rotate-half layout; cos/sin are [B, S, 1, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+            positions: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """Masked attention of q [B, S, H, D] over cached keys/values [B, Hkv, span, D].
+
+    Query heads are grouped over their shared KV head (no K/V copy for GQA). Masked
+    scores are -inf, so they add exactly zero whatever the span.
+    """
+    batch, seq, num_heads, head_dim = q.shape
+    group = num_heads // num_kv_heads
+    span = keys.shape[2]
+    qg = q.permute(0, 2, 1, 3).reshape(batch, num_kv_heads, group * seq, head_dim)
+    scores = torch.matmul(qg.float(), keys.float().transpose(-1, -2)) * head_dim**-0.5
+    key_positions = torch.arange(span, device=q.device)
+    visible = key_positions[None, None, :] <= positions[:, :, None]  # [B, S, span]
+    scores = scores.view(batch, num_kv_heads, group, seq, span)
+    scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(batch, num_kv_heads, group * seq, span)
+    out = torch.matmul(probs, values.float()).to(q.dtype)
+    return out.view(batch, num_heads, seq, head_dim).permute(0, 2, 1, 3)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                launch: LaunchInputs, cache: KVCache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, launch, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """Decoder + LM head; `forward` runs one fixed-shape launch and returns [B, vocab] logits."""
+
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        inv_freq = 1.0 / (config.rope_theta ** (
+            torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim))
+        freqs = torch.outer(torch.arange(max_positions + 1, dtype=torch.float32), inv_freq)
+        angles = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("rope_cos", angles.cos(), persistent=False)
+        self.register_buffer("rope_sin", angles.sin(), persistent=False)
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the head, for tied checkpoints."""
+        self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(self, launch: LaunchInputs, cache: KVCache) -> torch.Tensor:
+        cos = self.rope_cos[launch.positions][:, :, None, :]
+        sin = self.rope_sin[launch.positions][:, :, None, :]
+        x = self.model.embed_tokens(launch.input_ids)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, launch, cache)
+        rows = torch.arange(x.shape[0], device=x.device)
+        last = self.model.norm(x[rows, launch.logit_index])
+        return self.lm_head(last).float()

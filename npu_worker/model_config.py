@@ -1,0 +1,82 @@
+"""Reading a Hugging Face-style config.json into the facts the model code needs."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+
+
+class UnsupportedModel(ValueError):
+    """A checkpoint this worker cannot serve, with what is missing or wrong."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Architecture hyper-parameters of a Llama-family decoder."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+    attention_bias: bool
+    torch_dtype: str
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    @classmethod
+    def from_dir(cls, path: Path) -> ModelConfig:
+        """Parse `config.json` (+ `generation_config.json` for EOS ids) in a model directory."""
+        config_path = path / "config.json"
+        if not config_path.exists():
+            raise UnsupportedModel(f"{path} has no config.json")
+        raw: dict[str, Any] = json.loads(config_path.read_text())
+        architectures = raw.get("architectures") or []
+        arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise UnsupportedModel(
+                f"{config_path}: architectures {architectures} not supported; "
+                f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size",
+                               "num_hidden_layers", "num_attention_heads") if k not in raw]
+        if missing:
+            raise UnsupportedModel(f"{config_path} lacks {', '.join(missing)}")
+        if raw.get("rope_scaling"):
+            raise UnsupportedModel(f"{config_path}: rope_scaling {raw['rope_scaling']} not supported")
+        num_heads = int(raw["num_attention_heads"])
+        return cls(
+            architecture=arch,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=int(raw["hidden_size"]),
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+            head_dim=int(raw.get("head_dim") or raw["hidden_size"] // num_heads),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(raw.get("rope_theta", 10000.0)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
+            torch_dtype=str(raw.get("torch_dtype") or "float32"),
+            eos_token_ids=_eos_ids(path, raw),
+        )
+
+
+def _eos_ids(path: Path, raw: dict[str, Any]) -> tuple[int, ...]:
+    generation = path / "generation_config.json"
+    value = raw.get("eos_token_id")
+    if generation.exists():
+        value = json.loads(generation.read_text()).get("eos_token_id", value)
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list) else (int(value),)

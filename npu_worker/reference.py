@@ -1,0 +1,52 @@
+"""A lone greedy request run straight on a rank's launches: the reference for exactness checks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from npu_worker.runner import LaunchRunner
+
+
+@dataclass(slots=True)
+class ReferenceCompletion:
+    """Greedy tokens of a request run alone, with the top-2 logit gap at each position."""
+
+    token_ids: list[int]
+    top2_gaps: list[float]
+
+
+def generate_alone(runner: LaunchRunner, prompt_ids: list[int], max_tokens: int,
+                   stop_ids: set[int], max_model_len: int, slot: int = 0) -> ReferenceCompletion:
+    """Prefill `prompt_ids` chunk by chunk in `slot`, then decode one row at a time."""
+    chunk = runner.prefill_chunk
+    logits = torch.empty(0)
+    for start in range(0, len(prompt_ids), chunk):
+        logits = runner.prefill(slot, prompt_ids[start : start + chunk], start)
+    tokens: list[int] = []
+    gaps: list[float] = []
+    context = list(prompt_ids)
+    while True:
+        top2 = logits[0].topk(2).values
+        gaps.append(float(top2[0] - top2[1]))
+        token = int(logits[0].argmax())
+        tokens.append(token)
+        context.append(token)
+        if token in stop_ids or len(tokens) >= max_tokens or len(context) >= max_model_len:
+            return ReferenceCompletion(tokens, gaps)
+        logits = runner.decode([slot], [token], [len(context) - 1])
+
+
+def first_divergence(actual: list[int], reference: ReferenceCompletion,
+                     tie_tolerance: float) -> str | None:
+    """None if `actual` matches the reference up to a near-tie, else why not (DESIGN §7)."""
+    for i, (got, want) in enumerate(zip(actual, reference.token_ids)):
+        if got != want:
+            gap = reference.top2_gaps[i]
+            if gap <= tie_tolerance:
+                return None
+            return f"token {i}: got {got}, reference {want} (top-2 gap {gap:.3g} is no tie)"
+    if len(actual) != len(reference.token_ids):
+        return f"length {len(actual)} != reference length {len(reference.token_ids)}"
+    return None

@@ -1,0 +1,93 @@
+"""Vectorised sampling over a launch's rows; random draws depend only on (seed, index).
+
+Greedy rows (temperature 0) take the argmax. Other rows sample from the filtered softmax
+(top_k, top_p, min_p) by inverse CDF with a counter-based uniform per row, so a seeded
+request draws the same numbers whatever else shares its launch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+
+
+def _signed(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_GOLDEN = _signed(0x9E3779B97F4A7C15)
+_MIX1 = _signed(0xBF58476D1CE4E5B9)
+_MIX2 = _signed(0x94D049BB133111EB)
+
+
+@dataclass(slots=True)
+class SamplingRows:
+    """Per-row sampling parameters of one launch, as tensors on the launch's device."""
+
+    temperature: torch.Tensor  # [N] float32
+    top_k: torch.Tensor  # [N] long, <= 0 means off
+    top_p: torch.Tensor  # [N] float32
+    min_p: torch.Tensor  # [N] float32
+    seed: torch.Tensor  # [N] long
+    index: torch.Tensor  # [N] long, completion index of the token being drawn
+
+    @property
+    def all_greedy(self) -> bool:
+        """True when no row samples."""
+        return bool((self.temperature == 0).all())
+
+
+def uniform(seed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """splitmix64(seed, index) -> float64 in [0, 1); int64 arithmetic wraps like uint64."""
+    z = seed + (index + 1) * _GOLDEN
+    z = (z ^ _shift_right(z, 30)) * _MIX1
+    z = (z ^ _shift_right(z, 27)) * _MIX2
+    z = z ^ _shift_right(z, 31)
+    return _shift_right(z, 11).double() / float(1 << 53)
+
+
+def uniform_reference(seed: int, index: int) -> float:
+    """The same draw in plain Python integers, to check the tensor version against."""
+    z = (seed + (index + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z ^= z >> 31
+    return (z >> 11) / float(1 << 53)
+
+
+def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 seen as uint64."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def filtered_probs(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
+    """Softmax of logits / temperature with top_k, top_p and min_p applied, renormalised."""
+    temperature = rows.temperature.clamp_min(1e-5)[:, None]
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
+    rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
+    top_k = torch.where(rows.top_k > 0, rows.top_k, probs.shape[-1])[:, None]
+    drop = rank >= top_k
+    before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    drop |= before >= rows.top_p[:, None]
+    drop |= sorted_probs < rows.min_p[:, None] * sorted_probs[:, :1]
+    drop[:, 0] = False
+    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+    kept = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    return kept / kept.sum(dim=-1, keepdim=True)
+
+
+def sample(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
+    """One token per row: argmax where temperature is 0, else a seeded draw."""
+    greedy = logits.argmax(dim=-1)
+    if rows.all_greedy:
+        return greedy
+    probs = filtered_probs(logits, rows).double()
+    cdf = probs.cumsum(dim=-1)
+    draw = uniform(rows.seed, rows.index) * cdf[:, -1]
+    picked = torch.searchsorted(cdf, draw[:, None], right=True).squeeze(-1)
+    picked = picked.clamp_max(probs.shape[-1] - 1)
+    return torch.where(rows.temperature == 0, greedy, picked)

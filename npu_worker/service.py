@@ -1,0 +1,160 @@
+"""One worker rank: loads the model, registers, then runs step plans and publishes tokens."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+
+import redis
+import torch
+
+from npu_worker.devices import resolve_device, set_cpu_threads
+from npu_worker.engine import RankEngine, StepOutput
+from npu_worker.loader import load_model, resolve_model_dir
+from npu_worker.runner import LaunchRunner
+from schemas.codec import CodecError, decode, encode
+from schemas.config import Settings, add_settings_flags, settings_from_args
+from schemas.connection import connect
+from schemas.control import RankStepPlan
+from schemas.keys import FIELD, Keys
+
+log = logging.getLogger("npu_pool.worker")
+
+
+class Worker:
+    """A rank's service object: its engine, its Redis connection and its run loop."""
+
+    def __init__(self, settings: Settings, rank: int) -> None:
+        if not 0 <= rank < settings.ranks:
+            raise ValueError(f"rank {rank} is outside 0..{settings.ranks - 1}")
+        self.settings = settings
+        self.rank = rank
+        self.keys = Keys(settings.namespace)
+        self.rank_key = self.keys.rank(settings.pool, rank)
+        self.redis = connect(settings.redis_url)
+        self.stop_event = threading.Event()
+        self.engine: RankEngine | None = None
+        self.plan_cursor = b"0-0"
+
+    def run(self) -> None:
+        """Load, warm up, announce ready, then execute plans until stopped."""
+        heartbeat = threading.Thread(target=self._heartbeat_loop, daemon=True)
+        try:
+            self._register("loading")
+            heartbeat.start()
+            self.engine = self._load()
+            last = self.redis.xrevrange(self.keys.plan(self.settings.pool, self.rank), count=1)
+            self.plan_cursor = last[0][0] if last else b"0-0"
+            self._register("ready")
+            log.info("rank %d ready on %s", self.rank, self.engine.runner.device)
+            while not self.stop_event.is_set():
+                self._serve_once()
+        finally:
+            self.stop_event.set()
+            try:
+                self.redis.hset(self.rank_key, "state", "stopped")
+            except redis.RedisError:
+                pass
+            self.redis.close()
+
+    def _load(self) -> RankEngine:
+        settings = self.settings
+        device = resolve_device(settings.device)
+        if device.type == "cpu":
+            set_cpu_threads(settings.threads_per_rank, settings.ranks)
+        loaded = load_model(resolve_model_dir(settings.model), settings.dtype, device,
+                            settings.max_kv_len)
+        if self.rank == 0:
+            self.redis.set(self.keys.tokenizer(settings.pool), loaded.tokenizer.to_str())
+        self.redis.hset(self.rank_key, mapping={
+            "device": str(device), "vocab_size": loaded.config.vocab_size,
+            "dtype": str(loaded.dtype).split(".")[-1],
+            "model": str(loaded.path),
+        })
+        runner = LaunchRunner(loaded, settings.kv_slots_per_rank, settings.max_kv_len,
+                              settings.prefill_chunk, settings.decode_batch)
+        warm_up(runner)
+        return RankEngine(runner, loaded.tokenizer, loaded.config.eos_token_ids,
+                          settings.max_model_len, rank=self.rank)
+
+    def _serve_once(self) -> None:
+        key = self.keys.plan(self.settings.pool, self.rank)
+        reply = self.redis.xread({key: self.plan_cursor}, count=8, block=500)
+        if not reply:
+            return
+        for entry_id, fields in reply[0][1]:
+            self.plan_cursor = entry_id
+            try:
+                plan = decode(RankStepPlan, fields[FIELD.encode()])
+            except (CodecError, KeyError) as exc:
+                log.error("unreadable plan %s: %s", entry_id, exc)
+                continue
+            assert self.engine is not None
+            if plan.epoch < self.engine.epoch:
+                continue
+            self._publish(self.engine.execute(plan))
+
+    def _publish(self, output: StepOutput) -> None:
+        """All of a step's chunks, stream expiries and its step result in one round trip."""
+        pipe = self.redis.pipeline(transaction=False)
+        for chunk in output.chunks:
+            pipe.xadd(self.keys.result(chunk.id), {FIELD: encode(chunk)})
+        for request_id, ttl_s in output.expiring.items():
+            pipe.expire(self.keys.result(request_id), ttl_s)
+        pipe.xadd(self.keys.step_results(self.settings.pool), {FIELD: encode(output.result)},
+                  maxlen=10_000, approximate=True)
+        pipe.execute()
+
+    def _register(self, state: str) -> None:
+        self.redis.hset(self.rank_key, mapping={
+            "rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
+            "state": state, "hb_ms": int(time.time() * 1000),
+        })
+
+    def _heartbeat_loop(self) -> None:
+        client = connect(self.settings.redis_url)
+        try:
+            while not self.stop_event.wait(self.settings.heartbeat_s):
+                try:
+                    client.hset(self.rank_key, "hb_ms", int(time.time() * 1000))
+                except redis.RedisError as exc:
+                    log.warning("heartbeat failed: %s", exc)
+        finally:
+            client.close()
+
+    def request_stop(self, *_: object) -> None:
+        """Signal handler: finish the current step, then exit."""
+        self.stop_event.set()
+
+
+def warm_up(runner: LaunchRunner) -> None:
+    """Run every launch shape once before the first request (allocations, kernel selection)."""
+    runner.dummy_prefill()
+    runner.decode([], [], [])
+    runner.num_launches = {"prefill": 0, "decode": 0}
+
+
+def main(argv: list[str]) -> int:
+    """`npu-pool worker --rank R`: run one rank until SIGTERM/SIGINT."""
+    parser = argparse.ArgumentParser(prog="npu-pool worker", description=__doc__)
+    parser.add_argument("--rank", type=int, required=True, help="this worker's rank")
+    add_settings_flags(parser)
+    args = parser.parse_args(argv)
+    try:
+        settings = settings_from_args(args)
+        worker = Worker(settings, args.rank)
+    except ValueError as exc:
+        print(f"npu-pool worker: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{args.rank} %(message)s")
+    signal.signal(signal.SIGTERM, worker.request_stop)
+    signal.signal(signal.SIGINT, worker.request_stop)
+    torch.set_grad_enabled(False)
+    worker.run()
+    return 0

@@ -1,0 +1,163 @@
+"""`Client` and `AsyncClient`: submit requests, stream and collect results (DESIGN §9)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import redis
+import redis.asyncio as aioredis
+
+from producer.requests import (
+    ADMIT_SCRIPT,
+    QueueFull,
+    RequestFailed,
+    assemble,
+    build_request,
+    parse_admission,
+)
+from producer.status import ready_pool
+from schemas.codec import decode, encode
+from schemas.config import Settings, resolve_redis_url
+from schemas.keys import FIELD, Keys
+from schemas.messages import Completion, ResultChunk
+
+__all__ = ["AsyncClient", "Client", "QueueFull", "RequestFailed"]
+
+BLOCK_MS = 1000
+
+
+class Client:
+    """Synchronous client of a pool: `submit`, `stream`, `result`, `generate`, `cancel`."""
+
+    def __init__(self, redis_url: str | None = None, namespace: str | None = None,
+                 max_queue: int | None = None) -> None:
+        settings = Settings()
+        self.keys = Keys(namespace or settings.namespace)
+        self.max_queue = max_queue or settings.max_queue
+        self.redis = redis.Redis.from_url(resolve_redis_url(redis_url or settings.redis_url))
+        self._admit = self.redis.register_script(ADMIT_SCRIPT)
+
+    def submit(self, prompt: str | None = None, *, prompt_token_ids: list[int] | None = None,
+               request_id: str | None = None, **options: Any) -> str:
+        """Enqueue a request; returns its id. Raises QueueFull when the queue is at max_queue."""
+        request = build_request(prompt, prompt_token_ids, request_id, options)
+        reply = self._admit(keys=[self.keys.requests], args=[self.max_queue, encode(request)])
+        parse_admission(reply, self.max_queue)
+        return request.id
+
+    def stream(self, request_id: str, timeout_s: float | None = None) -> Iterator[ResultChunk]:
+        """Chunks of a result stream from the start, live, until the final one."""
+        key = self.keys.result(request_id)
+        cursor = b"0-0"
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            block = _block_ms(deadline, request_id)
+            reply = self.redis.xread({key: cursor}, count=256, block=block)
+            for entry_id, fields in reply[0][1] if reply else []:
+                cursor = entry_id
+                chunk = decode(ResultChunk, fields[FIELD.encode()])
+                yield chunk
+                if chunk.is_final:
+                    return
+
+    def result(self, request_id: str, timeout_s: float | None = None) -> Completion:
+        """Wait for the whole completion."""
+        return assemble(request_id, list(self.stream(request_id, timeout_s)))
+
+    def generate(self, prompt: str | None = None, *, timeout_s: float | None = None,
+                 **options: Any) -> Completion:
+        """Submit and wait for the completion."""
+        return self.result(self.submit(prompt, **options), timeout_s=timeout_s)
+
+    def cancel(self, request_id: str) -> None:
+        """Ask the pool to stop a request; its stream ends with `cancelled`."""
+        self.redis.xadd(self.keys.cancel, {"id": request_id}, maxlen=100_000, approximate=True)
+
+    def wait_ready(self, timeout_s: float = 60.0, pool: str | None = None) -> str:
+        """Block until a pool (or the named one) has all ranks ready; returns its name."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            name = ready_pool(self.redis, self.keys, pool)
+            if name is not None:
+                return name
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no ready pool after {timeout_s:.0f}s "
+                                   "(is `npu-pool up` running? see `npu-pool status`)")
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        """Drop the connection."""
+        self.redis.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """The asyncio mirror of `Client`."""
+
+    def __init__(self, redis_url: str | None = None, namespace: str | None = None,
+                 max_queue: int | None = None) -> None:
+        settings = Settings()
+        self.keys = Keys(namespace or settings.namespace)
+        self.max_queue = max_queue or settings.max_queue
+        self.redis = aioredis.Redis.from_url(resolve_redis_url(redis_url or settings.redis_url))
+        self._admit = self.redis.register_script(ADMIT_SCRIPT)
+
+    async def submit(self, prompt: str | None = None, *,
+                     prompt_token_ids: list[int] | None = None,
+                     request_id: str | None = None, **options: Any) -> str:
+        """Enqueue a request; returns its id. Raises QueueFull when the queue is at max_queue."""
+        request = build_request(prompt, prompt_token_ids, request_id, options)
+        reply = await self._admit(keys=[self.keys.requests],
+                                  args=[self.max_queue, encode(request)])
+        parse_admission(reply, self.max_queue)
+        return request.id
+
+    async def stream(self, request_id: str,
+                     timeout_s: float | None = None) -> AsyncIterator[ResultChunk]:
+        """Chunks of a result stream from the start, live, until the final one."""
+        key = self.keys.result(request_id)
+        cursor = b"0-0"
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            block = _block_ms(deadline, request_id)
+            reply = await self.redis.xread({key: cursor}, count=256, block=block)
+            for entry_id, fields in reply[0][1] if reply else []:
+                cursor = entry_id
+                chunk = decode(ResultChunk, fields[FIELD.encode()])
+                yield chunk
+                if chunk.is_final:
+                    return
+
+    async def result(self, request_id: str, timeout_s: float | None = None) -> Completion:
+        """Wait for the whole completion."""
+        return assemble(request_id, [c async for c in self.stream(request_id, timeout_s)])
+
+    async def generate(self, prompt: str | None = None, *, timeout_s: float | None = None,
+                       **options: Any) -> Completion:
+        """Submit and wait for the completion."""
+        return await self.result(await self.submit(prompt, **options), timeout_s=timeout_s)
+
+    async def cancel(self, request_id: str) -> None:
+        """Ask the pool to stop a request; its stream ends with `cancelled`."""
+        await self.redis.xadd(self.keys.cancel, {"id": request_id}, maxlen=100_000,
+                              approximate=True)
+
+    async def close(self) -> None:
+        """Drop the connection."""
+        await self.redis.aclose()
+
+
+def _block_ms(deadline: float | None, request_id: str) -> int:
+    if deadline is None:
+        return BLOCK_MS
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError(f"no final chunk for {request_id} in time")
+    return max(1, min(BLOCK_MS, int(left * 1000)))

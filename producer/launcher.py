@@ -1,0 +1,137 @@
+"""`npu-pool up`: embedded Redis when no URL is given, a batcher and one worker per rank,
+each a separate process, restarted with backoff if one dies."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from producer.embedded import EmbeddedRedis
+from schemas.config import Settings, add_settings_flags, settings_from_args
+
+log = logging.getLogger("npu_pool.up")
+MAX_BACKOFF_S = 30.0
+
+
+@dataclass(slots=True)
+class Child:
+    """One supervised service process."""
+
+    name: str
+    args: list[str]
+    process: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    next_start: float = 0.0
+    log_file: IO[bytes] | None = field(default=None, repr=False)
+
+
+class PoolProcesses:
+    """Starts, supervises and stops the batcher and worker processes of one pool."""
+
+    def __init__(self, settings: Settings, redis_url: str, log_dir: Path | None = None) -> None:
+        self.settings = settings
+        self.env = dict(os.environ, REDIS_URL=redis_url, NPUPOOL_REDIS_URL=redis_url)
+        self.log_dir = log_dir
+        flags = settings.service_args()
+        command = [sys.executable, "-m", "schemas.cli"]
+        self.children = [Child("batcher", [*command, "batcher", *flags])]
+        self.children += [Child(f"rank{r}", [*command, "worker", "--rank", str(r), *flags])
+                          for r in range(settings.ranks)]
+
+    def start(self) -> None:
+        """Start every child process."""
+        for child in self.children:
+            self._spawn(child)
+
+    def _spawn(self, child: Child) -> None:
+        output: int | IO[bytes] | None = None
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            if child.log_file is None:
+                child.log_file = open(self.log_dir / f"{child.name}.log", "ab")  # noqa: SIM115
+            output = child.log_file
+        child.process = subprocess.Popen(child.args, env=self.env, stdin=subprocess.DEVNULL,
+                                         stdout=output, stderr=subprocess.STDOUT if output else None)
+
+    def supervise(self) -> None:
+        """Restart any child that exited, with exponential backoff."""
+        now = time.monotonic()
+        for child in self.children:
+            if child.process is None or child.process.poll() is None:
+                continue
+            if child.next_start == 0.0:
+                delay = min(MAX_BACKOFF_S, 0.5 * 2**child.restarts)
+                child.next_start = now + delay
+                log.warning("%s exited with %s; restarting in %.1fs", child.name,
+                            child.process.returncode, delay)
+            elif now >= child.next_start:
+                child.restarts += 1
+                child.next_start = 0.0
+                self._spawn(child)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM every child, wait up to `timeout_s`, then SIGKILL what is left."""
+        live = [c.process for c in self.children if c.process and c.process.poll() is None]
+        for process in live:
+            process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for process in live:
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        for child in self.children:
+            if child.log_file is not None:
+                child.log_file.close()
+                child.log_file = None
+
+
+def up_main(argv: list[str]) -> int:
+    """`npu-pool up`: run a whole pool in the foreground until Ctrl-C."""
+    parser = argparse.ArgumentParser(prog="npu-pool up", description=__doc__)
+    add_settings_flags(parser)
+    args = parser.parse_args(argv)
+    try:
+        settings = settings_from_args(args)
+    except ValueError as exc:
+        print(f"npu-pool up: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s up %(message)s")
+    embedded = None
+    redis_url = settings.redis_url
+    if not redis_url:
+        embedded = EmbeddedRedis()
+        redis_url = embedded.start()
+        embedded.record()
+        log.info("embedded Redis at %s (data in %s)", redis_url, embedded.data_dir)
+    stopping = False
+
+    def request_stop(*_: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    processes = PoolProcesses(settings, redis_url)
+    try:
+        processes.start()
+        log.info("pool %s: batcher + %d ranks started (model %s)", settings.pool,
+                 settings.ranks, settings.model)
+        while not stopping:
+            processes.supervise()
+            time.sleep(0.2)
+        log.info("stopping")
+    finally:
+        processes.stop(timeout_s=settings.drain_timeout_s + 5)
+        if embedded is not None:
+            embedded.stop()
+    return 0

@@ -1,0 +1,88 @@
+"""Reading the pool registry: which pools and ranks run where, and the queue (DESIGN §9)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import redis
+
+from schemas.keys import GROUP, Keys
+
+STALE_AFTER_MS = 10_000
+
+
+def _text(info: dict[bytes, bytes], field: str, default: str = "") -> str:
+    value = info.get(field.encode())
+    return value.decode() if value is not None else default
+
+
+def _int(info: dict[bytes, bytes], field: str) -> int:
+    value = info.get(field.encode())
+    return int(float(value)) if value is not None else 0
+
+
+def _liveness(state: str, hb_ms: int, now_ms: int) -> str:
+    if state not in ("stopped", "") and now_ms - hb_ms > STALE_AFTER_MS:
+        return "unresponsive"
+    return state or "unknown"
+
+
+def pool_status(client: redis.Redis, keys: Keys, pool: str, now_ms: int) -> dict[str, Any]:
+    """One pool's entry of `npu-pool status --json`."""
+    info = client.hgetall(keys.pool(pool))
+    num_ranks = _int(info, "ranks")
+    ranks = []
+    for rank in range(num_ranks):
+        r = client.hgetall(keys.rank(pool, rank))
+        ranks.append({
+            "rank": rank, "pid": _int(r, "pid"), "host": _text(r, "host"),
+            "device": _text(r, "device"),
+            "state": _liveness(_text(r, "state"), _int(r, "hb_ms"), now_ms),
+        })
+    return {
+        "pool": pool,
+        "state": _liveness(_text(info, "state"), _int(info, "hb_ms"), now_ms),
+        "epoch": _int(info, "epoch"),
+        "batcher": {"pid": _int(info, "batcher_pid"), "host": _text(info, "batcher_host")},
+        "ranks": ranks,
+        "running": _int(info, "running"),
+        "waiting": _int(info, "waiting"),
+        "steps": _int(info, "steps"),
+        "tokens": _int(info, "tokens"),
+        "finished": _int(info, "finished"),
+        "rejected": _int(info, "rejected"),
+    }
+
+
+def collect_status(client: redis.Redis, keys: Keys) -> dict[str, Any]:
+    """Every registered pool and the queue, as `npu-pool status --json` prints them."""
+    now_ms = int(time.time() * 1000)
+    pools = sorted(p.decode() for p in client.smembers(keys.pools))
+    pending = 0
+    try:
+        groups = client.xinfo_groups(keys.requests)
+        pending = sum(int(g["pending"]) for g in groups if g["name"] in (GROUP, GROUP.encode()))
+    except redis.ResponseError:
+        pass
+    return {
+        "pools": [pool_status(client, keys, pool, now_ms) for pool in pools],
+        "queue": {
+            "outstanding": int(client.xlen(keys.requests)),
+            "in_progress": pending,
+            "dead": int(client.xlen(keys.dead)),
+        },
+    }
+
+
+def ready_pool(client: redis.Redis, keys: Keys, pool: str | None = None) -> str | None:
+    """The name of a pool whose batcher and every rank are ready, if any."""
+    now_ms = int(time.time() * 1000)
+    names = [pool] if pool else sorted(p.decode() for p in client.smembers(keys.pools))
+    for name in names:
+        status = pool_status(client, keys, name, now_ms)
+        if status["state"] == "ready" and status["ranks"] and all(
+            r["state"] == "ready" for r in status["ranks"]
+        ):
+            return name
+    return None

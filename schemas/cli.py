@@ -1,0 +1,44 @@
+"""`npu-pool`: a thin dispatcher; each subcommand lives in the package that owns it."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# subcommand -> (module, function, one-line help); modules load only when called,
+# so `npu-pool submit` never imports torch.
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "up": ("producer.launcher", "up_main", "start a pool (embedded Redis when no URL) and supervise it"),
+    "demo": ("producer.demo", "main", "start a pool, stream concurrent requests live, summarise"),
+    "batcher": ("batcher.service", "main", "run one pool's batcher"),
+    "worker": ("npu_worker.service", "main", "run one worker rank"),
+    "submit": ("producer.cli", "submit_main", "submit a request and print or stream its result"),
+    "status": ("producer.cli", "status_main", "show pools, ranks and the queue"),
+}
+
+
+def usage() -> str:
+    """The top-level help text."""
+    lines = ["usage: npu-pool COMMAND [options]", "", "commands:"]
+    lines += [f"  {name:<9} {help_text}" for name, (_, _, help_text) in COMMANDS.items()]
+    lines += ["", "`npu-pool COMMAND --help` shows a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `npu-pool` console script."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    name, rest = args[0], args[1:]
+    if name not in COMMANDS:
+        print(f"npu-pool: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module_name, function_name, _ = COMMANDS[name]
+    function = getattr(importlib.import_module(module_name), function_name)
+    return int(function(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

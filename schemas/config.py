@@ -1,0 +1,152 @@
+"""Settings: one pydantic-settings model; each field is a flag and an `NPUPOOL_*` variable."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import platformdirs
+from pydantic import AliasChoices, Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def cache_dir() -> Path:
+    """Per-user cache directory (models, embedded Redis data); NPUPOOL_HOME overrides it."""
+    override = os.environ.get("NPUPOOL_HOME")
+    return Path(override) if override else Path(platformdirs.user_cache_dir("npu-pool"))
+
+
+class Settings(BaseSettings):
+    """Configuration shared by every npu-pool process (DESIGN §9)."""
+
+    model_config = SettingsConfigDict(env_prefix="NPUPOOL_", extra="ignore")
+
+    redis_url: str | None = Field(
+        default=None,
+        validation_alias=AliasChoices("redis_url", "NPUPOOL_REDIS_URL", "REDIS_URL"),
+        description="redis:// or rediss:// URL; default: the local `npu-pool up`",
+    )
+    namespace: str = Field(default="npupool", description="prefix of every Redis key")
+    pool: str = Field(default="default", description="name of this pool")
+    model: str = Field(default="tiny", description="model directory, or `tiny`")
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "float64"] = "auto"
+    device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
+    ranks: int = Field(default=1, ge=1, le=64, description="data-parallel worker ranks")
+    max_num_seqs: int = Field(default=64, ge=1, description="admitted requests, whole pool")
+    kv_slots_per_rank: int = Field(default=16, ge=1, description="KV cache slots per rank")
+    max_model_len: int = Field(default=1024, ge=2, description="prompt + completion tokens")
+    prefill_chunk: int = Field(default=128, ge=1, description="tokens per prefill launch (S)")
+    prefill_slots: int = Field(default=4, ge=1, description="prefill launches per rank per step")
+    decode_batch: int = Field(default=8, ge=1, description="rows per decode launch (B)")
+    mtp: bool = Field(default=False, description="decode with MTP drafts (K=1)")
+    lockstep: bool = Field(default=False, description="every rank runs the same launches")
+    max_inflight_steps: int = Field(default=2, ge=1, le=2, description="steps dispatched ahead")
+    max_queue: int = Field(default=10000, ge=1, description="outstanding requests accepted")
+    max_request_bytes: int = Field(default=1 << 20, ge=256)
+    max_deliveries: int = Field(default=3, ge=1)
+    result_ttl_s: int = Field(default=3600, ge=1, description="result stream lifetime")
+    drain_timeout_s: float = Field(default=30.0, ge=0.0)
+    heartbeat_s: float = Field(default=1.0, gt=0.0)
+    rank_timeout_s: float = Field(default=10.0, gt=0.0)
+    threads_per_rank: int = Field(default=0, ge=0, description="torch CPU threads, 0: auto")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Settings:
+        if self.prefill_chunk > self.max_model_len:
+            raise ValueError(
+                f"prefill_chunk={self.prefill_chunk} exceeds max_model_len={self.max_model_len}"
+            )
+        if self.dtype == "float64" and self.device not in ("cpu", "auto"):
+            raise ValueError(f"dtype float64 is for the CPU only, not device={self.device}")
+        return self
+
+    @property
+    def max_kv_len(self) -> int:
+        """KV positions per slot: max_model_len rounded up to whole prefill chunks."""
+        chunks = -(-self.max_model_len // self.prefill_chunk)
+        return chunks * self.prefill_chunk
+
+    def service_args(self) -> list[str]:
+        """This configuration as command-line flags, for child processes."""
+        args: list[str] = []
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            if value is None or name == "redis_url":  # passed by environment, not argv
+                continue
+            flag = "--" + name.replace("_", "-")
+            if isinstance(value, bool):
+                args.append(flag if value else "--no-" + name.replace("_", "-"))
+            else:
+                args += [flag, str(value)]
+        return args
+
+
+def add_settings_flags(parser: argparse.ArgumentParser, only: set[str] | None = None) -> None:
+    """Add one `--flag` per Settings field (default None: env and defaults still apply)."""
+    for name, field in Settings.model_fields.items():
+        if only is not None and name not in only:
+            continue
+        flag = "--" + name.replace("_", "-")
+        annotation = field.annotation
+        help_text = field.description or ""
+        if annotation is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                                help=help_text)
+            continue
+        kwargs: dict[str, Any] = {"default": None, "help": help_text, "dest": name}
+        if get_origin(annotation) is Literal:
+            kwargs["choices"] = list(get_args(annotation))
+        elif annotation is int:
+            kwargs["type"] = int
+        elif annotation is float:
+            kwargs["type"] = float
+        parser.add_argument(flag, **kwargs)
+
+
+def settings_from_args(args: argparse.Namespace, **overrides: Any) -> Settings:
+    """Settings from parsed flags over the environment; raises ValueError on bad values."""
+    given = {
+        name: getattr(args, name)
+        for name in Settings.model_fields
+        if getattr(args, name, None) is not None
+    }
+    given.update(overrides)
+    return Settings(**given)
+
+
+def redis_record_path() -> Path:
+    """Where a running `npu-pool up` records its embedded Redis URL."""
+    return cache_dir() / "redis.json"
+
+
+def resolve_redis_url(redis_url: str | None) -> str:
+    """The URL to use: the one given, REDIS_URL, or the local `npu-pool up`'s embedded Redis."""
+    if redis_url:
+        return redis_url
+    env = os.environ.get("REDIS_URL") or os.environ.get("NPUPOOL_REDIS_URL")
+    if env:
+        return env
+    record = redis_record_path()
+    if record.exists():
+        info = json.loads(record.read_text())
+        if _pid_alive(int(info.get("pid", 0))):
+            return str(info["url"])
+    raise ConnectionError(
+        "no Redis to talk to: pass --redis-url, set REDIS_URL, or start `npu-pool up` "
+        f"(it records its embedded Redis in {record})"
+    )
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

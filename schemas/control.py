@@ -1,0 +1,70 @@
+"""Control-plane messages between a pool's batcher and its ranks (DESIGN §3, §5)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from schemas.messages import SamplingParams
+
+
+class _Control(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_enum_values=True)
+
+
+class NewRequest(_Control):
+    """A request handed to a rank once, when it is admitted to one of its KV slots."""
+
+    request_id: str
+    slot: int
+    prompt_token_ids: list[int]
+    num_prompt_tokens: int = Field(description="tokens of the original prompt, for usage")
+    sampling: SamplingParams
+    start_index: int = 0
+    start_seq: int = 0
+    result_ttl_s: int
+
+
+class PrefillChunk(_Control):
+    """Prefill tokens [start, start + num_tokens) of the request in `slot`."""
+
+    slot: int
+    start: int
+    num_tokens: int
+
+
+class RankStepPlan(_Control):
+    """One rank's share of a step: new requests, decode launches, then prefill chunks.
+
+    Each decode launch lists the slots of its rows (at most `decode_batch`); an empty
+    launch or a prefill chunk with `num_tokens == 0` is a lockstep dummy.
+    """
+
+    epoch: int
+    step: int
+    rank: int
+    new_requests: list[NewRequest] = Field(default_factory=list)
+    decode_launches: list[list[int]] = Field(default_factory=list)
+    prefill: list[PrefillChunk] = Field(default_factory=list)
+    release_slots: list[int] = Field(default_factory=list)
+
+
+class RequestOutcome(_Control):
+    """What one step did for one request on a rank."""
+
+    request_id: str
+    num_new_tokens: int
+    finish_reason: str | None = None
+
+
+class StepResult(_Control):
+    """A rank's report of a step, after its tokens are published."""
+
+    epoch: int
+    step: int
+    rank: int
+    outcomes: list[RequestOutcome] = Field(default_factory=list)
+    num_decode_launches: int = 0
+    num_decode_rows: int = 0
+    num_padding_rows: int = 0
+    num_prefill_launches: int = 0
+    exec_ms: float = 0.0

@@ -1,0 +1,63 @@
+"""Every Redis key npu-pool uses, in one place (DESIGN §5)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GROUP = "pools"
+FIELD = "m"
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """Key names under one namespace."""
+
+    ns: str = "npupool"
+
+    @property
+    def requests(self) -> str:
+        """Stream of request entries, consumer group `pools`."""
+        return f"{self.ns}:requests"
+
+    @property
+    def cancel(self) -> str:
+        """Stream of cancel entries (field `id`)."""
+        return f"{self.ns}:cancel"
+
+    @property
+    def dead(self) -> str:
+        """Stream of entries that could not be served, with the reason."""
+        return f"{self.ns}:dead"
+
+    @property
+    def pools(self) -> str:
+        """Set of pool names that have registered."""
+        return f"{self.ns}:pools"
+
+    def result(self, request_id: str) -> str:
+        """Result stream of one request."""
+        return f"{self.ns}:result:{request_id}"
+
+    def pool(self, pool: str) -> str:
+        """Hash describing a pool: state, batcher pid/host, ranks, model facts."""
+        return f"{self.ns}:pool:{pool}:info"
+
+    def rank(self, pool: str, rank: int) -> str:
+        """Hash describing one rank: pid, host, device, state, heartbeat."""
+        return f"{self.ns}:pool:{pool}:rank:{rank}"
+
+    def plan(self, pool: str, rank: int) -> str:
+        """Stream of step plans for one rank."""
+        return f"{self.ns}:pool:{pool}:plan:{rank}"
+
+    def step_results(self, pool: str) -> str:
+        """Stream of step results from all ranks of a pool."""
+        return f"{self.ns}:pool:{pool}:steps"
+
+    def tokenizer(self, pool: str) -> str:
+        """String holding the pool's tokenizer.json, published by rank 0."""
+        return f"{self.ns}:pool:{pool}:tokenizer"
+
+    def lease(self, pool: str) -> str:
+        """The pool batcher's lease (string with a TTL)."""
+        return f"{self.ns}:pool:{pool}:lease"

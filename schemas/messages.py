@@ -1,0 +1,145 @@
+"""Wire messages between producers and the pool (DESIGN §6), schema version 1."""
+
+from __future__ import annotations
+
+import math
+import re
+from enum import Enum
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+SCHEMA_VERSION = 1
+REQUEST_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
+REQUEST_ID_RE = re.compile(REQUEST_ID_PATTERN)
+MAX_METADATA_ITEMS = 32
+MAX_METADATA_CHARS = 1024
+MAX_LOGPROBS = 20
+
+
+class FinishReason(str, Enum):
+    """Why a completion ended; `null` on non-final chunks."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+    TIMEOUT = "timeout"
+    REJECTED = "rejected"
+    ERROR = "error"
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_enum_values=True)
+
+
+class SamplingParams(_Wire):
+    """Per-request sampling; `temperature == 0` is greedy."""
+
+    max_tokens: int = Field(default=16, ge=1)
+    temperature: float = Field(default=0.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1, description="0 or -1: no top-k filter")
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    stop: list[str] = Field(default_factory=list, max_length=16)
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
+    ignore_eos: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("temperature", "top_p", "min_p")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError(f"must be a finite number, got {value}")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _non_empty_stops(cls, value: list[str]) -> list[str]:
+        if any(not s for s in value):
+            raise ValueError("stop strings must be non-empty")
+        return value
+
+
+class GenerateRequest(_Wire):
+    """One generation request, field `m` of a `{ns}:requests` entry."""
+
+    v: int = SCHEMA_VERSION
+    id: Annotated[str, Field(pattern=REQUEST_ID_PATTERN)]
+    prompt: str | None = None
+    prompt_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    priority: int = 0
+    deadline_ms: int | None = Field(default=None, ge=0)
+    result_ttl_s: int | None = Field(default=None, ge=1)
+    metadata: dict[str, str] = Field(default_factory=dict, max_length=MAX_METADATA_ITEMS)
+
+    @field_validator("v")
+    @classmethod
+    def _known_version(cls, value: int) -> int:
+        if value != SCHEMA_VERSION:
+            raise ValueError(f"unknown schema version {value}; this pool speaks {SCHEMA_VERSION}")
+        return value
+
+    @field_validator("metadata")
+    @classmethod
+    def _small_metadata(cls, value: dict[str, str]) -> dict[str, str]:
+        size = sum(len(k) + len(v) for k, v in value.items())
+        if size > MAX_METADATA_CHARS:
+            raise ValueError(f"metadata holds {size} characters, at most {MAX_METADATA_CHARS}")
+        return value
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> GenerateRequest:
+        if (self.prompt is None) == (self.prompt_token_ids is None):
+            raise ValueError("give exactly one of `prompt` or `prompt_token_ids`")
+        if self.prompt_token_ids is not None and not self.prompt_token_ids:
+            raise ValueError("`prompt_token_ids` is empty")
+        if self.prompt is not None and not self.prompt:
+            raise ValueError("`prompt` is empty")
+        return self
+
+
+class ErrorInfo(_Wire):
+    """What went wrong, on a `rejected` or `error` final chunk."""
+
+    code: str
+    message: str
+
+
+class Usage(_Wire):
+    """Token counts, on the final chunk."""
+
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class ResultChunk(_Wire):
+    """One entry of `{ns}:result:{id}`: tokens from `index` on, and the end if final."""
+
+    v: int = SCHEMA_VERSION
+    id: str
+    seq: int
+    index: int
+    token_ids: list[int] = Field(default_factory=list)
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    error: ErrorInfo | None = None
+    usage: Usage | None = None
+    logprobs: list[dict[str, Any]] | None = None
+
+    @property
+    def is_final(self) -> bool:
+        """True on the one chunk that ends the completion."""
+        return self.finish_reason is not None
+
+
+class Completion(_Wire):
+    """A whole completion, assembled from a result stream."""
+
+    id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    usage: Usage | None = None
+    error: ErrorInfo | None = None

@@ -1,0 +1,65 @@
+"""Small factories shared by the tests: reference generation and stream checks."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+
+import torch
+
+from npu_worker.loader import LoadedModel, load_model, resolve_model_dir
+from npu_worker.reference import ReferenceCompletion, generate_alone
+from npu_worker.runner import LaunchRunner
+from schemas.config import Settings
+from schemas.messages import ResultChunk
+
+# float32 rows computed in different batch positions may differ by rounding; a top-2 gap
+# under this is a near-tie that may resolve either way (DESIGN §7).
+TIE_TOLERANCE = 1e-3
+
+
+def load_reference_model(settings: Settings) -> LoadedModel:
+    """The pool's model, loaded in this process on the CPU."""
+    return load_model(resolve_model_dir(settings.model), settings.dtype, torch.device("cpu"),
+                      settings.max_kv_len)
+
+
+def reference_runner(loaded: LoadedModel, settings: Settings) -> LaunchRunner:
+    """Launches of the same shapes as the pool's ranks, for lone-request references."""
+    return LaunchRunner(loaded, settings.kv_slots_per_rank, settings.max_kv_len,
+                        settings.prefill_chunk, settings.decode_batch)
+
+
+def reference(loaded: LoadedModel, runner: LaunchRunner, settings: Settings,
+              prompt_ids: list[int], max_tokens: int) -> ReferenceCompletion:
+    """Greedy tokens of the request run alone."""
+    return generate_alone(runner, prompt_ids, max_tokens, set(loaded.config.eos_token_ids),
+                          settings.max_model_len)
+
+
+def random_prompt(rng: random.Random, length: int, vocab_size: int) -> list[int]:
+    """Token ids that avoid the special tokens (ids 0 and 1 of the tiny tokenizer)."""
+    return [rng.randrange(2, vocab_size) for _ in range(length)]
+
+
+def check_stream(chunks: list[ResultChunk]) -> list[int]:
+    """Assert the stream guarantees (contiguous seq and index, one final chunk); return tokens."""
+    assert chunks, "empty result stream"
+    tokens: list[int] = []
+    for seq, chunk in enumerate(chunks):
+        assert chunk.seq == seq, f"seq {chunk.seq} at position {seq}"
+        assert chunk.index == len(tokens), f"chunk {seq} index {chunk.index} != {len(tokens)}"
+        tokens += chunk.token_ids
+    finals = [c for c in chunks if c.finish_reason is not None]
+    assert len(finals) == 1 and finals[0] is chunks[-1], "exactly one final chunk, at the end"
+    return tokens
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float = 30.0, what: str = "") -> None:
+    """Poll `condition` until it holds; fail the test with `what` if it never does."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what or condition}")
+        time.sleep(0.02)

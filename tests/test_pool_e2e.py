@@ -1,0 +1,90 @@
+"""End to end: requests in through a real Redis, tokens out of worker processes (issue 2)."""
+
+from __future__ import annotations
+
+import random
+
+import msgpack
+import pytest
+
+from producer.client import Client
+from schemas.codec import decode
+from schemas.control import StepResult
+from schemas.keys import Keys
+from schemas.messages import FinishReason
+from tests.helpers import (
+    TIE_TOLERANCE,
+    check_stream,
+    load_reference_model,
+    random_prompt,
+    reference,
+    reference_runner,
+    wait_until,
+)
+from npu_worker.reference import first_divergence
+
+PROMPT_LENGTHS = [1, 127, 128, 129, 300, 2, 64, 200, 255, 256, 257, 17]
+
+
+def test_concurrent_greedy_requests_match_each_request_run_alone(start_pool, client: Client,
+                                                                 redis_client) -> None:
+    settings = start_pool(ranks=2, decode_batch=4, max_num_seqs=32, kv_slots_per_rank=16,
+                          max_model_len=512)
+    loaded = load_reference_model(settings)
+    rng = random.Random(2)
+    vocab = loaded.config.vocab_size
+    lengths = [PROMPT_LENGTHS[i % len(PROMPT_LENGTHS)] for i in range(40)]
+    cases = [(random_prompt(rng, n, vocab), rng.randrange(1, 65)) for n in lengths]
+    ids = [client.submit(prompt_token_ids=p, max_tokens=m, request_id=f"r{i}")
+           for i, (p, m) in enumerate(cases)]
+
+    runner = reference_runner(loaded, settings)
+    for request_id, (prompt, max_tokens) in zip(ids, cases):
+        chunks = list(client.stream(request_id, timeout_s=120))
+        tokens = check_stream(chunks)
+        want = reference(loaded, runner, settings, prompt, max_tokens)
+        problem = first_divergence(tokens, want, TIE_TOLERANCE)
+        assert problem is None, f"{request_id} (prompt {len(prompt)} tokens): {problem}"
+        final = chunks[-1]
+        assert final.usage is not None
+        assert final.usage.prompt_tokens == len(prompt)
+        assert final.usage.completion_tokens == len(tokens)
+        expected_reason = FinishReason.LENGTH if len(tokens) == max_tokens else FinishReason.STOP
+        assert final.finish_reason == expected_reason
+
+    results = redis_client.xrange(Keys().step_results(settings.pool))
+    steps = [decode(StepResult, fields[b"m"]) for _, fields in results]
+    assert max(s.num_decode_launches for s in steps) == 4  # 16 rows per rank, B4 launches
+    assert all(s.num_decode_rows + s.num_padding_rows == 4 * s.num_decode_launches
+               for s in steps)
+    wait_until(lambda: redis_client.xlen(Keys().requests) == 0, what="every entry deleted")
+
+
+@pytest.mark.parametrize(
+    ("fields", "code", "named"),
+    [
+        ({"sampling": {"max_tokens": -1}}, "invalid_request", "sampling.max_tokens"),
+        ({"sampling": {"temperature": float("nan")}}, "invalid_request", "sampling.temperature"),
+        ({"prompt_token_ids": [5] * 600}, "prompt_too_long", "prompt"),
+        ({"sampling": {"max_tokenz": 3}}, "invalid_request", "sampling.max_tokenz"),
+        ({"v": 2}, "unsupported_version", "v"),
+    ],
+)
+def test_bad_field_gets_a_final_rejected_chunk_and_the_pool_keeps_serving(
+    start_pool, client: Client, redis_client, fields, code, named
+) -> None:
+    settings = start_pool(ranks=1, max_model_len=512)
+    request = {"v": 1, "id": "bad-1", "prompt_token_ids": [5, 6, 7]} | fields
+    redis_client.xadd(Keys().requests, {"m": msgpack.packb(request)})
+    chunks = list(client.stream("bad-1", timeout_s=60))
+    assert len(chunks) == 1
+    final = chunks[0]
+    assert final.finish_reason == FinishReason.REJECTED
+    assert final.error is not None and final.error.code == code
+    assert f"`{named}`" in final.error.message
+    good = client.generate(prompt="still serving", max_tokens=5, timeout_s=60)
+    assert good.finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
+    assert good.usage is not None and good.usage.completion_tokens == len(good.token_ids) > 0
+    wait_until(lambda: redis_client.xlen(Keys().requests) == 0, what="every entry deleted")
+    assert redis_client.xlen(Keys().dead) == 0
+    assert settings.max_model_len == 512
