@@ -8,8 +8,9 @@ from schemas.config import Settings
 from schemas.control import NewRequest, PrefillChunk, RankStepPlan
 
 
-def rank_plans(plan: StepPlan, tracked: dict[str, Tracked], epoch: int, step: int,
-               settings: Settings) -> list[RankStepPlan]:
+def rank_plans(
+    plan: StepPlan, tracked: dict[str, Tracked], epoch: int, step: int, settings: Settings
+) -> list[RankStepPlan]:
     """Per-rank messages; a request's prompt and sampling travel once, when it is admitted."""
     plans: dict[int, RankStepPlan] = {}
 
@@ -21,11 +22,16 @@ def rank_plans(plan: StepPlan, tracked: dict[str, Tracked], epoch: int, step: in
     for seq in plan.admitted:
         entry = tracked[seq.request_id]
         request = entry.request
-        for_rank(seq.rank).new_requests.append(NewRequest(
-            request_id=seq.request_id, slot=seq.slot, prompt_token_ids=entry.prompt_ids,
-            num_prompt_tokens=len(entry.prompt_ids), sampling=request.sampling,
-            result_ttl_s=request.result_ttl_s or settings.result_ttl_s,
-        ))
+        for_rank(seq.rank).new_requests.append(
+            NewRequest(
+                request_id=seq.request_id,
+                slot=seq.slot,
+                prompt_token_ids=entry.prompt_ids,
+                num_prompt_tokens=len(entry.prompt_ids),
+                sampling=request.sampling,
+                result_ttl_s=request.result_ttl_s or settings.result_ttl_s,
+            )
+        )
     for launch in plan.decode_launches:
         for rank, rows in launch.items():
             for_rank(rank).decode_launches.append([seq.slot for seq in rows])

@@ -22,8 +22,14 @@ class PlannerConfig:
     lockstep: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("num_ranks", "max_num_seqs", "kv_slots_per_rank", "decode_batch",
-                     "prefill_chunk", "prefill_slots"):
+        for name in (
+            "num_ranks",
+            "max_num_seqs",
+            "kv_slots_per_rank",
+            "decode_batch",
+            "prefill_chunk",
+            "prefill_slots",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 

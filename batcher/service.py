@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
 import socket
 import sys
 import time
+from typing import cast
 
 import redis
 from tokenizers import Tokenizer
@@ -18,7 +20,7 @@ from batcher.intake import ModelFacts, Tracked, parse_entry, reject, to_sequence
 from batcher.scheduler import PlannerConfig, PoolState, StepPlan, finish, plan_step
 from schemas.codec import CodecError, DeadLetter, Rejected, decode, encode
 from schemas.config import Settings, add_settings_flags, settings_from_args
-from schemas.connection import connect
+from schemas.connection import connect, hash_fields, last_entry_id, stream_entries
 from schemas.control import StepResult
 from schemas.keys import FIELD, GROUP, Keys
 
@@ -32,12 +34,17 @@ class Batcher:
         self.settings = settings
         self.keys = Keys(settings.namespace)
         self.redis = connect(settings.redis_url)
-        self.state = PoolState(PlannerConfig(
-            num_ranks=settings.ranks, max_num_seqs=settings.max_num_seqs,
-            kv_slots_per_rank=settings.kv_slots_per_rank, decode_batch=settings.decode_batch,
-            prefill_chunk=settings.prefill_chunk, prefill_slots=settings.prefill_slots,
-            lockstep=settings.lockstep,
-        ))
+        self.state = PoolState(
+            PlannerConfig(
+                num_ranks=settings.ranks,
+                max_num_seqs=settings.max_num_seqs,
+                kv_slots_per_rank=settings.kv_slots_per_rank,
+                decode_batch=settings.decode_batch,
+                prefill_chunk=settings.prefill_chunk,
+                prefill_slots=settings.prefill_slots,
+                lockstep=settings.lockstep,
+            )
+        )
         self.tracked: dict[str, Tracked] = {}
         self.inflight: dict[int, set[int]] = {}
         self.epoch = 0
@@ -70,10 +77,8 @@ class Batcher:
 
     def close(self) -> None:
         """Mark the pool stopped and drop the connection."""
-        try:
+        with contextlib.suppress(redis.RedisError):
             self._set_state("stopped")
-        except redis.RedisError:
-            pass
         self.redis.close()
 
     def _tick(self) -> None:
@@ -97,32 +102,42 @@ class Batcher:
                 raise
         pool_key = self.keys.pool(self.settings.pool)
         self.epoch = int(self.redis.hincrby(pool_key, "epoch", 1))
-        last = self.redis.xrevrange(self.keys.step_results(self.settings.pool), count=1)
-        self.results_cursor = last[0][0] if last else b"0-0"
+        self.results_cursor = last_entry_id(self.redis, self.keys.step_results(self.settings.pool))
         self.redis.sadd(self.keys.pools, self.settings.pool)
-        self.redis.hset(pool_key, mapping={
-            "batcher_pid": os.getpid(), "batcher_host": socket.gethostname(),
-            "ranks": self.settings.ranks, "started_ms": int(time.time() * 1000),
-        })
+        self.redis.hset(
+            pool_key,
+            mapping={
+                "batcher_pid": os.getpid(),
+                "batcher_host": socket.gethostname(),
+                "ranks": self.settings.ranks,
+                "started_ms": int(time.time() * 1000),
+            },
+        )
         self._set_state("starting")
         self._wait_for_ranks()
         self._set_state("ready")
-        log.info("pool %s ready: epoch %d, %d ranks", self.settings.pool, self.epoch,
-                 self.settings.ranks)
+        log.info(
+            "pool %s ready: epoch %d, %d ranks", self.settings.pool, self.epoch, self.settings.ranks
+        )
 
     def _wait_for_ranks(self) -> None:
         while not self.stopping:
-            infos = [self.redis.hgetall(self.keys.rank(self.settings.pool, r))
-                     for r in range(self.settings.ranks)]
+            infos = [
+                hash_fields(self.redis.hgetall(self.keys.rank(self.settings.pool, r)))
+                for r in range(self.settings.ranks)
+            ]
             now_ms = time.time() * 1000
-            if all(i.get(b"state") == b"ready" and
-                   now_ms - float(i.get(b"hb_ms", 0)) < self.settings.rank_timeout_s * 1000
-                   for i in infos):
+            if all(
+                i.get(b"state") == b"ready"
+                and now_ms - float(i.get(b"hb_ms", 0)) < self.settings.rank_timeout_s * 1000
+                for i in infos
+            ):
                 raw = self.redis.get(self.keys.tokenizer(self.settings.pool))
                 if raw is not None:
-                    self.tokenizer = Tokenizer.from_str(raw.decode())
-                    self.facts = ModelFacts(int(infos[0][b"vocab_size"]),
-                                            self.settings.max_model_len)
+                    self.tokenizer = Tokenizer.from_str(cast(bytes, raw).decode())
+                    self.facts = ModelFacts(
+                        int(infos[0][b"vocab_size"]), self.settings.max_model_len
+                    )
                     return
             time.sleep(0.1)
         raise SystemExit(0)
@@ -134,16 +149,25 @@ class Batcher:
             if block_ms:
                 time.sleep(block_ms / 1000)
             return
-        reply = self.redis.xreadgroup(GROUP, self.settings.pool, {self.keys.requests: ">"},
-                                      count=wanted, block=block_ms or None)
+        reply = self.redis.xreadgroup(
+            GROUP,
+            self.settings.pool,
+            {self.keys.requests: ">"},
+            count=wanted,
+            block=block_ms or None,
+        )
         if not reply:
             return
         assert self.tokenizer is not None and self.facts is not None
         pipe = self.redis.pipeline(transaction=False)
-        for entry_id, fields in reply[0][1]:
+        for entry_id, fields in stream_entries(reply):
             try:
-                request, prompt_ids = parse_entry(fields.get(FIELD.encode()), self.tokenizer,
-                                                  self.facts, self.settings.max_request_bytes)
+                request, prompt_ids = parse_entry(
+                    fields.get(FIELD.encode()),
+                    self.tokenizer,
+                    self.facts,
+                    self.settings.max_request_bytes,
+                )
             except DeadLetter as exc:
                 write_dead_letter(pipe, self.keys, entry_id, fields, str(exc))
                 self.stats["dead"] += 1
@@ -155,8 +179,9 @@ class Batcher:
                 log.info("rejected %s: %s", exc.request_id, exc.message)
                 continue
             if request.id in self.tracked:
-                duplicate = Rejected(request.id, "duplicate_id",
-                                     f"field `id`: {request.id!r} is already running")
+                duplicate = Rejected(
+                    request.id, "duplicate_id", f"field `id`: {request.id!r} is already running"
+                )
                 write_dead_letter(pipe, self.keys, entry_id, fields, duplicate.message)
                 continue
             self.order += 1
@@ -174,8 +199,12 @@ class Batcher:
         plans = rank_plans(plan, self.tracked, self.epoch, self.step, self.settings)
         pipe = self.redis.pipeline(transaction=False)
         for rank_plan in plans:
-            pipe.xadd(self.keys.plan(self.settings.pool, rank_plan.rank),
-                      {FIELD: encode(rank_plan)}, maxlen=1000, approximate=True)
+            pipe.xadd(
+                self.keys.plan(self.settings.pool, rank_plan.rank),
+                {FIELD: encode(rank_plan)},
+                maxlen=1000,
+                approximate=True,
+            )
         pipe.execute()
         self.inflight[self.step] = {p.rank for p in plans}
         self.stats["steps"] += 1
@@ -187,7 +216,7 @@ class Batcher:
         if not reply:
             return
         pipe = self.redis.pipeline(transaction=False)
-        for entry_id, fields in reply[0][1]:
+        for entry_id, fields in stream_entries(reply):
             self.results_cursor = entry_id
             try:
                 result = decode(StepResult, fields[FIELD.encode()])
@@ -222,10 +251,13 @@ class Batcher:
         if now - self.last_heartbeat < self.settings.heartbeat_s:
             return
         self.last_heartbeat = now
-        self.redis.hset(self.keys.pool(self.settings.pool), mapping={
-            "hb_ms": int(now * 1000), "running": len(self.state.running),
-            "waiting": len(self.state.waiting), **self.stats,
-        })
+        fields: dict[str, int] = {
+            "hb_ms": int(now * 1000),
+            "running": len(self.state.running),
+            "waiting": len(self.state.waiting),
+            **self.stats,
+        }
+        self.redis.hset(self.keys.pool(self.settings.pool), mapping=fields)  # type: ignore[arg-type]
 
     def _set_state(self, state: str) -> None:
         self.redis.hset(self.keys.pool(self.settings.pool), "state", state)

@@ -12,8 +12,10 @@ def resolve_device(name: str) -> torch.device:
     if name in ("auto", "npu") and _npu_available():
         return torch.device("npu")
     if name == "npu":
-        raise RuntimeError("device npu requested but torch_npu is not installed or sees no NPU "
-                           "(install the `npu` extra: pip install 'npu-pool[npu]')")
+        raise RuntimeError(
+            "device npu requested but torch_npu is not installed or sees no NPU "
+            "(install the `npu` extra: pip install 'npu-pool[npu]')"
+        )
     if name in ("auto", "cuda") and torch.cuda.is_available():
         return torch.device("cuda")
     if name == "cuda":
@@ -26,7 +28,8 @@ def _npu_available() -> bool:
         import torch_npu  # noqa: F401
     except ImportError:
         return False
-    return bool(getattr(torch, "npu", None) and torch.npu.is_available())
+    npu = getattr(torch, "npu", None)
+    return bool(npu is not None and npu.is_available())
 
 
 def set_cpu_threads(threads_per_rank: int, ranks: int) -> int:

@@ -58,8 +58,14 @@ class StepOutput:
 class RankEngine:
     """Executes one rank's step plans against its launch runner."""
 
-    def __init__(self, runner: LaunchRunner, tokenizer: Tokenizer, eos_token_ids: tuple[int, ...],
-                 max_model_len: int, rank: int = 0) -> None:
+    def __init__(
+        self,
+        runner: LaunchRunner,
+        tokenizer: Tokenizer,
+        eos_token_ids: tuple[int, ...],
+        max_model_len: int,
+        rank: int = 0,
+    ) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids)
@@ -112,8 +118,13 @@ class RankEngine:
         )
 
     def _decode(self, slots: list[int], result: StepResult) -> list[RequestState]:
-        live = [s for s in slots if s in self.slots and self.slots[s].finish_reason is None
-                and len(self.slots[s].token_ids) > self.slots[s].num_context_tokens]
+        live = [
+            s
+            for s in slots
+            if s in self.slots
+            and self.slots[s].finish_reason is None
+            and len(self.slots[s].token_ids) > self.slots[s].num_context_tokens
+        ]
         states = [self.slots[s] for s in live]
         logits = self.runner.decode(
             live, [st.token_ids[-1] for st in states], [len(st.token_ids) - 1 for st in states]
@@ -180,17 +191,29 @@ class RankEngine:
         for state in touched:
             first_index = state.next_index - len(state.pending_ids)
             final = state.finish_reason is not None
-            chunks.append(ResultChunk(
-                id=state.request_id, seq=state.next_seq, index=first_index,
-                token_ids=state.pending_ids, text="".join(state.pending_text),
-                finish_reason=state.finish_reason,
-                usage=Usage(prompt_tokens=state.num_prompt_tokens,
-                            completion_tokens=state.num_completion_tokens) if final else None,
-            ))
-            result.outcomes.append(RequestOutcome(
-                request_id=state.request_id, num_new_tokens=len(state.pending_ids),
-                finish_reason=state.finish_reason,
-            ))
+            chunks.append(
+                ResultChunk(
+                    id=state.request_id,
+                    seq=state.next_seq,
+                    index=first_index,
+                    token_ids=state.pending_ids,
+                    text="".join(state.pending_text),
+                    finish_reason=state.finish_reason,
+                    usage=Usage(
+                        prompt_tokens=state.num_prompt_tokens,
+                        completion_tokens=state.num_completion_tokens,
+                    )
+                    if final
+                    else None,
+                )
+            )
+            result.outcomes.append(
+                RequestOutcome(
+                    request_id=state.request_id,
+                    num_new_tokens=len(state.pending_ids),
+                    finish_reason=state.finish_reason,
+                )
+            )
             state.next_seq += 1
             state.pending_ids, state.pending_text = [], []
             if final:

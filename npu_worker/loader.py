@@ -41,7 +41,9 @@ def resolve_model_dir(model: str) -> Path:
         return ensure_tiny_model()
     path = Path(model).expanduser()
     if not path.is_dir():
-        raise UnsupportedModel(f"model directory {path} does not exist (models load from disk only)")
+        raise UnsupportedModel(
+            f"model directory {path} does not exist (models load from disk only)"
+        )
     return path
 
 
@@ -52,7 +54,11 @@ def load_model(path: Path, dtype_name: str, device: torch.device, max_kv_len: in
     if not tokenizer_path.exists():
         raise UnsupportedModel(f"{path} has no tokenizer.json")
     tokenizer = Tokenizer.from_file(str(tokenizer_path))
-    dtype = DTYPES.get(config.torch_dtype, torch.float32) if dtype_name == "auto" else DTYPES[dtype_name]
+    dtype = (
+        DTYPES.get(config.torch_dtype, torch.float32)
+        if dtype_name == "auto"
+        else DTYPES[dtype_name]
+    )
     if dtype == torch.float16 and device.type == "cpu":
         dtype = torch.bfloat16
     model = CausalLM(config, max_positions=max_kv_len)

@@ -37,8 +37,14 @@ class KVCache:
     The extra last position is scratch: padding rows write there, and no query reads it.
     """
 
-    def __init__(self, config: ModelConfig, num_slots: int, max_kv_len: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_slots: int,
+        max_kv_len: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         shape = (num_slots, config.num_kv_heads, max_kv_len + 1, config.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
@@ -75,8 +81,14 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                launch: LaunchInputs, cache: KVCache) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        launch: LaunchInputs,
+        cache: KVCache,
+    ) -> torch.Tensor:
         batch, seq, _ = x.shape
         q = self.q_proj(x).view(batch, seq, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)
@@ -103,8 +115,13 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
-def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-            positions: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+def _attend(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    positions: torch.Tensor,
+    num_kv_heads: int,
+) -> torch.Tensor:
     """Masked attention of q [B, S, H, D] over cached keys/values [B, Hkv, span, D].
 
     Query heads are grouped over their shared KV head (no K/V copy for GQA). Masked
@@ -143,8 +160,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                launch: LaunchInputs, cache: KVCache) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        launch: LaunchInputs,
+        cache: KVCache,
+    ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, launch, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -165,8 +188,10 @@ class CausalLM(nn.Module):
         self.config = config
         self.model = Backbone(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        inv_freq = 1.0 / (config.rope_theta ** (
-            torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim))
+        inv_freq = 1.0 / (
+            config.rope_theta
+            ** (torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim)
+        )
         freqs = torch.outer(torch.arange(max_positions + 1, dtype=torch.float32), inv_freq)
         angles = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("rope_cos", angles.cos(), persistent=False)
@@ -175,6 +200,9 @@ class CausalLM(nn.Module):
     def tie_weights(self) -> None:
         """Share the embedding with the head, for tied checkpoints."""
         self.lm_head.weight = self.model.embed_tokens.weight
+
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
 
     @torch.inference_mode()
     def forward(self, launch: LaunchInputs, cache: KVCache) -> torch.Tensor:

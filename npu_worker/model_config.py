@@ -47,12 +47,23 @@ class ModelConfig:
                 f"{config_path}: architectures {architectures} not supported; "
                 f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
             )
-        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size",
-                               "num_hidden_layers", "num_attention_heads") if k not in raw]
+        missing = [
+            k
+            for k in (
+                "vocab_size",
+                "hidden_size",
+                "intermediate_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+            )
+            if k not in raw
+        ]
         if missing:
             raise UnsupportedModel(f"{config_path} lacks {', '.join(missing)}")
         if raw.get("rope_scaling"):
-            raise UnsupportedModel(f"{config_path}: rope_scaling {raw['rope_scaling']} not supported")
+            raise UnsupportedModel(
+                f"{config_path}: rope_scaling {raw['rope_scaling']} not supported"
+            )
         num_heads = int(raw["num_attention_heads"])
         return cls(
             architecture=arch,

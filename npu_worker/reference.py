@@ -17,8 +17,14 @@ class ReferenceCompletion:
     top2_gaps: list[float]
 
 
-def generate_alone(runner: LaunchRunner, prompt_ids: list[int], max_tokens: int,
-                   stop_ids: set[int], max_model_len: int, slot: int = 0) -> ReferenceCompletion:
+def generate_alone(
+    runner: LaunchRunner,
+    prompt_ids: list[int],
+    max_tokens: int,
+    stop_ids: set[int],
+    max_model_len: int,
+    slot: int = 0,
+) -> ReferenceCompletion:
     """Prefill `prompt_ids` chunk by chunk in `slot`, then decode one row at a time."""
     chunk = runner.prefill_chunk
     logits = torch.empty(0)
@@ -38,8 +44,9 @@ def generate_alone(runner: LaunchRunner, prompt_ids: list[int], max_tokens: int,
         logits = runner.decode([slot], [token], [len(context) - 1])
 
 
-def first_divergence(actual: list[int], reference: ReferenceCompletion,
-                     tie_tolerance: float) -> str | None:
+def first_divergence(
+    actual: list[int], reference: ReferenceCompletion, tie_tolerance: float
+) -> str | None:
     """None if `actual` matches the reference up to a near-tie, else why not (DESIGN §7)."""
     for i, (got, want) in enumerate(zip(actual, reference.token_ids)):
         if got != want:

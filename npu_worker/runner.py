@@ -17,8 +17,14 @@ from npu_worker.model import KVCache, LaunchInputs
 class LaunchRunner:
     """Runs prefill and decode launches of one rank on its device."""
 
-    def __init__(self, loaded: LoadedModel, num_slots: int, max_kv_len: int,
-                 prefill_chunk: int, decode_batch: int) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        num_slots: int,
+        max_kv_len: int,
+        prefill_chunk: int,
+        decode_batch: int,
+    ) -> None:
         self.model = loaded.model
         self.device = loaded.device
         self.prefill_chunk = prefill_chunk

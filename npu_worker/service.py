@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -20,7 +21,7 @@ from npu_worker.loader import load_model, resolve_model_dir
 from npu_worker.runner import LaunchRunner
 from schemas.codec import CodecError, decode, encode
 from schemas.config import Settings, add_settings_flags, settings_from_args
-from schemas.connection import connect
+from schemas.connection import connect, last_entry_id, stream_entries
 from schemas.control import RankStepPlan
 from schemas.keys import FIELD, Keys
 
@@ -49,18 +50,16 @@ class Worker:
             self._register("loading")
             heartbeat.start()
             self.engine = self._load()
-            last = self.redis.xrevrange(self.keys.plan(self.settings.pool, self.rank), count=1)
-            self.plan_cursor = last[0][0] if last else b"0-0"
+            plan_key = self.keys.plan(self.settings.pool, self.rank)
+            self.plan_cursor = last_entry_id(self.redis, plan_key)
             self._register("ready")
             log.info("rank %d ready on %s", self.rank, self.engine.runner.device)
             while not self.stop_event.is_set():
                 self._serve_once()
         finally:
             self.stop_event.set()
-            try:
+            with contextlib.suppress(redis.RedisError):
                 self.redis.hset(self.rank_key, "state", "stopped")
-            except redis.RedisError:
-                pass
             self.redis.close()
 
     def _load(self) -> RankEngine:
@@ -68,27 +67,42 @@ class Worker:
         device = resolve_device(settings.device)
         if device.type == "cpu":
             set_cpu_threads(settings.threads_per_rank, settings.ranks)
-        loaded = load_model(resolve_model_dir(settings.model), settings.dtype, device,
-                            settings.max_kv_len)
+        loaded = load_model(
+            resolve_model_dir(settings.model), settings.dtype, device, settings.max_kv_len
+        )
         if self.rank == 0:
             self.redis.set(self.keys.tokenizer(settings.pool), loaded.tokenizer.to_str())
-        self.redis.hset(self.rank_key, mapping={
-            "device": str(device), "vocab_size": loaded.config.vocab_size,
-            "dtype": str(loaded.dtype).split(".")[-1],
-            "model": str(loaded.path),
-        })
-        runner = LaunchRunner(loaded, settings.kv_slots_per_rank, settings.max_kv_len,
-                              settings.prefill_chunk, settings.decode_batch)
+        self.redis.hset(
+            self.rank_key,
+            mapping={
+                "device": str(device),
+                "vocab_size": loaded.config.vocab_size,
+                "dtype": str(loaded.dtype).split(".")[-1],
+                "model": str(loaded.path),
+            },
+        )
+        runner = LaunchRunner(
+            loaded,
+            settings.kv_slots_per_rank,
+            settings.max_kv_len,
+            settings.prefill_chunk,
+            settings.decode_batch,
+        )
         warm_up(runner)
-        return RankEngine(runner, loaded.tokenizer, loaded.config.eos_token_ids,
-                          settings.max_model_len, rank=self.rank)
+        return RankEngine(
+            runner,
+            loaded.tokenizer,
+            loaded.config.eos_token_ids,
+            settings.max_model_len,
+            rank=self.rank,
+        )
 
     def _serve_once(self) -> None:
         key = self.keys.plan(self.settings.pool, self.rank)
         reply = self.redis.xread({key: self.plan_cursor}, count=8, block=500)
         if not reply:
             return
-        for entry_id, fields in reply[0][1]:
+        for entry_id, fields in stream_entries(reply):
             self.plan_cursor = entry_id
             try:
                 plan = decode(RankStepPlan, fields[FIELD.encode()])
@@ -107,15 +121,25 @@ class Worker:
             pipe.xadd(self.keys.result(chunk.id), {FIELD: encode(chunk)})
         for request_id, ttl_s in output.expiring.items():
             pipe.expire(self.keys.result(request_id), ttl_s)
-        pipe.xadd(self.keys.step_results(self.settings.pool), {FIELD: encode(output.result)},
-                  maxlen=10_000, approximate=True)
+        pipe.xadd(
+            self.keys.step_results(self.settings.pool),
+            {FIELD: encode(output.result)},
+            maxlen=10_000,
+            approximate=True,
+        )
         pipe.execute()
 
     def _register(self, state: str) -> None:
-        self.redis.hset(self.rank_key, mapping={
-            "rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
-            "state": state, "hb_ms": int(time.time() * 1000),
-        })
+        self.redis.hset(
+            self.rank_key,
+            mapping={
+                "rank": self.rank,
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "state": state,
+                "hb_ms": int(time.time() * 1000),
+            },
+        )
 
     def _heartbeat_loop(self) -> None:
         client = connect(self.settings.redis_url)

@@ -71,8 +71,12 @@ def build_tiny_model(out: Path, vocab_size: int = 512, seed: int = 0) -> None:
     """Write config.json, generation_config.json, tokenizer.json and model.safetensors."""
     tokenizer = _train_tokenizer(vocab_size)
     tokenizer.save(str(out / "tokenizer.json"))
-    config = dict(TINY_CONFIG, vocab_size=tokenizer.get_vocab_size(),
-                  bos_token_id=tokenizer.token_to_id(BOS), eos_token_id=tokenizer.token_to_id(EOS))
+    config = dict(
+        TINY_CONFIG,
+        vocab_size=tokenizer.get_vocab_size(),
+        bos_token_id=tokenizer.token_to_id(BOS),
+        eos_token_id=tokenizer.token_to_id(EOS),
+    )
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]})
@@ -98,23 +102,30 @@ def _random_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
     """Scaled normal weights: logits spread widely enough that greedy choices are clear."""
     generator = torch.Generator().manual_seed(seed)
     hidden, inter = config["hidden_size"], config["intermediate_size"]
-    heads, kv_heads, head_dim = (config["num_attention_heads"], config["num_key_value_heads"],
-                                 config["head_dim"])
+    heads, kv_heads, head_dim = (
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+        config["head_dim"],
+    )
     vocab = config["vocab_size"]
 
     def normal(*shape: int, fan_in: int) -> torch.Tensor:
         return torch.randn(*shape, generator=generator) / fan_in**0.5
 
-    weights = {"model.embed_tokens.weight": torch.randn(vocab, hidden, generator=generator),
-               "model.norm.weight": torch.ones(hidden),
-               "lm_head.weight": normal(vocab, hidden, fan_in=hidden) * 4.0}
+    weights = {
+        "model.embed_tokens.weight": torch.randn(vocab, hidden, generator=generator),
+        "model.norm.weight": torch.ones(hidden),
+        "lm_head.weight": normal(vocab, hidden, fan_in=hidden) * 4.0,
+    }
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
         weights |= {
             p + "self_attn.q_proj.weight": normal(heads * head_dim, hidden, fan_in=hidden),
             p + "self_attn.k_proj.weight": normal(kv_heads * head_dim, hidden, fan_in=hidden),
             p + "self_attn.v_proj.weight": normal(kv_heads * head_dim, hidden, fan_in=hidden),
-            p + "self_attn.o_proj.weight": normal(hidden, heads * head_dim, fan_in=heads * head_dim),
+            p + "self_attn.o_proj.weight": normal(
+                hidden, heads * head_dim, fan_in=heads * head_dim
+            ),
             p + "mlp.gate_proj.weight": normal(inter, hidden, fan_in=hidden),
             p + "mlp.up_proj.weight": normal(inter, hidden, fan_in=hidden),
             p + "mlp.down_proj.weight": normal(hidden, inter, fan_in=inter),

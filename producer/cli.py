@@ -30,9 +30,14 @@ def submit_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         client = Client(args.redis_url, args.namespace)
-        request_id = client.submit(args.prompt, request_id=args.request_id,
-                                   max_tokens=args.max_tokens, temperature=args.temperature,
-                                   top_p=args.top_p, seed=args.seed)
+        request_id = client.submit(
+            args.prompt,
+            request_id=args.request_id,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            seed=args.seed,
+        )
     except (QueueFull, ConnectionError, ValueError) as exc:
         print(f"npu-pool submit: {exc}", file=sys.stderr)
         return 1
@@ -74,17 +79,23 @@ def status_main(argv: list[str]) -> int:
         return 0
     console = Console()
     queue = status["queue"]
-    console.print(f"queue: {queue['outstanding']} outstanding, {queue['in_progress']} in "
-                  f"progress, {queue['dead']} dead letters")
+    console.print(
+        f"queue: {queue['outstanding']} outstanding, {queue['in_progress']} in "
+        f"progress, {queue['dead']} dead letters"
+    )
     for pool in status["pools"]:
-        table = Table(title=f"pool {pool['pool']} — {pool['state']} "
-                            f"(batcher pid {pool['batcher']['pid']} on {pool['batcher']['host']})")
+        table = Table(
+            title=f"pool {pool['pool']} — {pool['state']} "
+            f"(batcher pid {pool['batcher']['pid']} on {pool['batcher']['host']})"
+        )
         for column in ("rank", "pid", "host", "device", "state"):
             table.add_column(column)
         for rank in pool["ranks"]:
             table.add_row(*(str(rank[c]) for c in ("rank", "pid", "host", "device", "state")))
         console.print(table)
-        console.print(f"  running {pool['running']}, waiting {pool['waiting']}, "
-                      f"steps {pool['steps']}, tokens {pool['tokens']}, "
-                      f"finished {pool['finished']}, rejected {pool['rejected']}")
+        console.print(
+            f"  running {pool['running']}, waiting {pool['waiting']}, "
+            f"steps {pool['steps']}, tokens {pool['tokens']}, "
+            f"finished {pool['finished']}, rejected {pool['rejected']}"
+        )
     return 0

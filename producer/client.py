@@ -20,6 +20,7 @@ from producer.requests import (
 from producer.status import ready_pool
 from schemas.codec import decode, encode
 from schemas.config import Settings, resolve_redis_url
+from schemas.connection import stream_entries
 from schemas.keys import FIELD, Keys
 from schemas.messages import Completion, ResultChunk
 
@@ -31,16 +32,26 @@ BLOCK_MS = 1000
 class Client:
     """Synchronous client of a pool: `submit`, `stream`, `result`, `generate`, `cancel`."""
 
-    def __init__(self, redis_url: str | None = None, namespace: str | None = None,
-                 max_queue: int | None = None) -> None:
+    def __init__(
+        self,
+        redis_url: str | None = None,
+        namespace: str | None = None,
+        max_queue: int | None = None,
+    ) -> None:
         settings = Settings()
         self.keys = Keys(namespace or settings.namespace)
         self.max_queue = max_queue or settings.max_queue
         self.redis = redis.Redis.from_url(resolve_redis_url(redis_url or settings.redis_url))
         self._admit = self.redis.register_script(ADMIT_SCRIPT)
 
-    def submit(self, prompt: str | None = None, *, prompt_token_ids: list[int] | None = None,
-               request_id: str | None = None, **options: Any) -> str:
+    def submit(
+        self,
+        prompt: str | None = None,
+        *,
+        prompt_token_ids: list[int] | None = None,
+        request_id: str | None = None,
+        **options: Any,
+    ) -> str:
         """Enqueue a request; returns its id. Raises QueueFull when the queue is at max_queue."""
         request = build_request(prompt, prompt_token_ids, request_id, options)
         reply = self._admit(keys=[self.keys.requests], args=[self.max_queue, encode(request)])
@@ -55,7 +66,7 @@ class Client:
         while True:
             block = _block_ms(deadline, request_id)
             reply = self.redis.xread({key: cursor}, count=256, block=block)
-            for entry_id, fields in reply[0][1] if reply else []:
+            for entry_id, fields in stream_entries(reply):
                 cursor = entry_id
                 chunk = decode(ResultChunk, fields[FIELD.encode()])
                 yield chunk
@@ -66,8 +77,9 @@ class Client:
         """Wait for the whole completion."""
         return assemble(request_id, list(self.stream(request_id, timeout_s)))
 
-    def generate(self, prompt: str | None = None, *, timeout_s: float | None = None,
-                 **options: Any) -> Completion:
+    def generate(
+        self, prompt: str | None = None, *, timeout_s: float | None = None, **options: Any
+    ) -> Completion:
         """Submit and wait for the completion."""
         return self.result(self.submit(prompt, **options), timeout_s=timeout_s)
 
@@ -83,8 +95,10 @@ class Client:
             if name is not None:
                 return name
             if time.monotonic() > deadline:
-                raise TimeoutError(f"no ready pool after {timeout_s:.0f}s "
-                                   "(is `npu-pool up` running? see `npu-pool status`)")
+                raise TimeoutError(
+                    f"no ready pool after {timeout_s:.0f}s "
+                    "(is `npu-pool up` running? see `npu-pool status`)"
+                )
             time.sleep(0.1)
 
     def close(self) -> None:
@@ -101,26 +115,35 @@ class Client:
 class AsyncClient:
     """The asyncio mirror of `Client`."""
 
-    def __init__(self, redis_url: str | None = None, namespace: str | None = None,
-                 max_queue: int | None = None) -> None:
+    def __init__(
+        self,
+        redis_url: str | None = None,
+        namespace: str | None = None,
+        max_queue: int | None = None,
+    ) -> None:
         settings = Settings()
         self.keys = Keys(namespace or settings.namespace)
         self.max_queue = max_queue or settings.max_queue
         self.redis = aioredis.Redis.from_url(resolve_redis_url(redis_url or settings.redis_url))
         self._admit = self.redis.register_script(ADMIT_SCRIPT)
 
-    async def submit(self, prompt: str | None = None, *,
-                     prompt_token_ids: list[int] | None = None,
-                     request_id: str | None = None, **options: Any) -> str:
+    async def submit(
+        self,
+        prompt: str | None = None,
+        *,
+        prompt_token_ids: list[int] | None = None,
+        request_id: str | None = None,
+        **options: Any,
+    ) -> str:
         """Enqueue a request; returns its id. Raises QueueFull when the queue is at max_queue."""
         request = build_request(prompt, prompt_token_ids, request_id, options)
-        reply = await self._admit(keys=[self.keys.requests],
-                                  args=[self.max_queue, encode(request)])
+        reply = await self._admit(keys=[self.keys.requests], args=[self.max_queue, encode(request)])
         parse_admission(reply, self.max_queue)
         return request.id
 
-    async def stream(self, request_id: str,
-                     timeout_s: float | None = None) -> AsyncIterator[ResultChunk]:
+    async def stream(
+        self, request_id: str, timeout_s: float | None = None
+    ) -> AsyncIterator[ResultChunk]:
         """Chunks of a result stream from the start, live, until the final one."""
         key = self.keys.result(request_id)
         cursor = b"0-0"
@@ -128,7 +151,7 @@ class AsyncClient:
         while True:
             block = _block_ms(deadline, request_id)
             reply = await self.redis.xread({key: cursor}, count=256, block=block)
-            for entry_id, fields in reply[0][1] if reply else []:
+            for entry_id, fields in stream_entries(reply):
                 cursor = entry_id
                 chunk = decode(ResultChunk, fields[FIELD.encode()])
                 yield chunk
@@ -139,15 +162,17 @@ class AsyncClient:
         """Wait for the whole completion."""
         return assemble(request_id, [c async for c in self.stream(request_id, timeout_s)])
 
-    async def generate(self, prompt: str | None = None, *, timeout_s: float | None = None,
-                       **options: Any) -> Completion:
+    async def generate(
+        self, prompt: str | None = None, *, timeout_s: float | None = None, **options: Any
+    ) -> Completion:
         """Submit and wait for the completion."""
         return await self.result(await self.submit(prompt, **options), timeout_s=timeout_s)
 
     async def cancel(self, request_id: str) -> None:
         """Ask the pool to stop a request; its stream ends with `cancelled`."""
-        await self.redis.xadd(self.keys.cancel, {"id": request_id}, maxlen=100_000,
-                              approximate=True)
+        await self.redis.xadd(
+            self.keys.cancel, {"id": request_id}, maxlen=100_000, approximate=True
+        )
 
     async def close(self) -> None:
         """Drop the connection."""

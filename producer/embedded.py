@@ -55,13 +55,28 @@ class EmbeddedRedis:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         for _ in range(5):
             self.port = _free_port()
-            args = [find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1",
-                    "--dir", str(self.data_dir), "--appendonly", "yes", "--save", "",
-                    "--logfile", str(self.data_dir / "redis.log"), "--daemonize", "no"]
+            args = [
+                find_redis_server(),
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(self.data_dir),
+                "--appendonly",
+                "yes",
+                "--save",
+                "",
+                "--logfile",
+                str(self.data_dir / "redis.log"),
+                "--daemonize",
+                "no",
+            ]
             if self.password:
                 args += ["--requirepass", self.password]
-            self.process = subprocess.Popen(args, stdin=subprocess.DEVNULL,
-                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            self.process = subprocess.Popen(
+                args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            )
             if self._wait_ready(timeout_s):
                 return self.url
             self.stop()

@@ -43,8 +43,10 @@ class PoolProcesses:
         flags = settings.service_args()
         command = [sys.executable, "-m", "schemas.cli"]
         self.children = [Child("batcher", [*command, "batcher", *flags])]
-        self.children += [Child(f"rank{r}", [*command, "worker", "--rank", str(r), *flags])
-                          for r in range(settings.ranks)]
+        self.children += [
+            Child(f"rank{r}", [*command, "worker", "--rank", str(r), *flags])
+            for r in range(settings.ranks)
+        ]
 
     def start(self) -> None:
         """Start every child process."""
@@ -58,8 +60,13 @@ class PoolProcesses:
             if child.log_file is None:
                 child.log_file = open(self.log_dir / f"{child.name}.log", "ab")  # noqa: SIM115
             output = child.log_file
-        child.process = subprocess.Popen(child.args, env=self.env, stdin=subprocess.DEVNULL,
-                                         stdout=output, stderr=subprocess.STDOUT if output else None)
+        child.process = subprocess.Popen(
+            child.args,
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            stdout=output,
+            stderr=subprocess.STDOUT if output else None,
+        )
 
     def supervise(self) -> None:
         """Restart any child that exited, with exponential backoff."""
@@ -70,8 +77,12 @@ class PoolProcesses:
             if child.next_start == 0.0:
                 delay = min(MAX_BACKOFF_S, 0.5 * 2**child.restarts)
                 child.next_start = now + delay
-                log.warning("%s exited with %s; restarting in %.1fs", child.name,
-                            child.process.returncode, delay)
+                log.warning(
+                    "%s exited with %s; restarting in %.1fs",
+                    child.name,
+                    child.process.returncode,
+                    delay,
+                )
             elif now >= child.next_start:
                 child.restarts += 1
                 child.next_start = 0.0
@@ -124,8 +135,12 @@ def up_main(argv: list[str]) -> int:
     processes = PoolProcesses(settings, redis_url)
     try:
         processes.start()
-        log.info("pool %s: batcher + %d ranks started (model %s)", settings.pool,
-                 settings.ranks, settings.model)
+        log.info(
+            "pool %s: batcher + %d ranks started (model %s)",
+            settings.pool,
+            settings.ranks,
+            settings.model,
+        )
         while not stopping:
             processes.supervise()
             time.sleep(0.2)

@@ -21,8 +21,9 @@ class QueueFull(RuntimeError):
     """The request stream holds `max_queue` outstanding requests; nothing was enqueued."""
 
     def __init__(self, depth: int, max_queue: int) -> None:
-        super().__init__(f"queue full: {depth} outstanding requests (max_queue={max_queue}); "
-                         "retry later")
+        super().__init__(
+            f"queue full: {depth} outstanding requests (max_queue={max_queue}); retry later"
+        )
         self.depth = depth
         self.max_queue = max_queue
 
@@ -40,8 +41,12 @@ class RequestFailed(RuntimeError):
 SAMPLING_FIELDS = set(SamplingParams.model_fields)
 
 
-def build_request(prompt: str | None, prompt_token_ids: list[int] | None,
-                  request_id: str | None, options: dict[str, Any]) -> GenerateRequest:
+def build_request(
+    prompt: str | None,
+    prompt_token_ids: list[int] | None,
+    request_id: str | None,
+    options: dict[str, Any],
+) -> GenerateRequest:
     """A GenerateRequest from `submit` arguments; unknown keywords are a TypeError."""
     sampling = {k: options.pop(k) for k in list(options) if k in SAMPLING_FIELDS}
     allowed = {"priority", "deadline_ms", "result_ttl_s", "metadata"}

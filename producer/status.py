@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, cast
 
 import redis
 
+from schemas.connection import hash_fields
 from schemas.keys import GROUP, Keys
 
 STALE_AFTER_MS = 10_000
@@ -30,16 +31,20 @@ def _liveness(state: str, hb_ms: int, now_ms: int) -> str:
 
 def pool_status(client: redis.Redis, keys: Keys, pool: str, now_ms: int) -> dict[str, Any]:
     """One pool's entry of `npu-pool status --json`."""
-    info = client.hgetall(keys.pool(pool))
+    info = hash_fields(client.hgetall(keys.pool(pool)))
     num_ranks = _int(info, "ranks")
     ranks = []
     for rank in range(num_ranks):
-        r = client.hgetall(keys.rank(pool, rank))
-        ranks.append({
-            "rank": rank, "pid": _int(r, "pid"), "host": _text(r, "host"),
-            "device": _text(r, "device"),
-            "state": _liveness(_text(r, "state"), _int(r, "hb_ms"), now_ms),
-        })
+        r = hash_fields(client.hgetall(keys.rank(pool, rank)))
+        ranks.append(
+            {
+                "rank": rank,
+                "pid": _int(r, "pid"),
+                "host": _text(r, "host"),
+                "device": _text(r, "device"),
+                "state": _liveness(_text(r, "state"), _int(r, "hb_ms"), now_ms),
+            }
+        )
     return {
         "pool": pool,
         "state": _liveness(_text(info, "state"), _int(info, "hb_ms"), now_ms),
@@ -58,7 +63,7 @@ def pool_status(client: redis.Redis, keys: Keys, pool: str, now_ms: int) -> dict
 def collect_status(client: redis.Redis, keys: Keys) -> dict[str, Any]:
     """Every registered pool and the queue, as `npu-pool status --json` prints them."""
     now_ms = int(time.time() * 1000)
-    pools = sorted(p.decode() for p in client.smembers(keys.pools))
+    pools = _pool_names(client, keys)
     pending = 0
     try:
         groups = client.xinfo_groups(keys.requests)
@@ -78,11 +83,17 @@ def collect_status(client: redis.Redis, keys: Keys) -> dict[str, Any]:
 def ready_pool(client: redis.Redis, keys: Keys, pool: str | None = None) -> str | None:
     """The name of a pool whose batcher and every rank are ready, if any."""
     now_ms = int(time.time() * 1000)
-    names = [pool] if pool else sorted(p.decode() for p in client.smembers(keys.pools))
+    names = [pool] if pool else _pool_names(client, keys)
     for name in names:
         status = pool_status(client, keys, name, now_ms)
-        if status["state"] == "ready" and status["ranks"] and all(
-            r["state"] == "ready" for r in status["ranks"]
+        if (
+            status["state"] == "ready"
+            and status["ranks"]
+            and all(r["state"] == "ready" for r in status["ranks"])
         ):
             return name
     return None
+
+
+def _pool_names(client: redis.Redis, keys: Keys) -> list[str]:
+    return sorted(bytes(p).decode() for p in cast(set[bytes], client.smembers(keys.pools)))

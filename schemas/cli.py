@@ -8,7 +8,11 @@ import sys
 # subcommand -> (module, function, one-line help); modules load only when called,
 # so `npu-pool submit` never imports torch.
 COMMANDS: dict[str, tuple[str, str, str]] = {
-    "up": ("producer.launcher", "up_main", "start a pool (embedded Redis when no URL) and supervise it"),
+    "up": (
+        "producer.launcher",
+        "up_main",
+        "start a pool (embedded Redis when no URL) and supervise it",
+    ),
     "demo": ("producer.demo", "main", "start a pool, stream concurrent requests live, summarise"),
     "batcher": ("batcher.service", "main", "run one pool's batcher"),
     "worker": ("npu_worker.service", "main", "run one worker rank"),

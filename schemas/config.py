@@ -93,8 +93,9 @@ def add_settings_flags(parser: argparse.ArgumentParser, only: set[str] | None = 
         annotation = field.annotation
         help_text = field.description or ""
         if annotation is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
-                                help=help_text)
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=None, help=help_text
+            )
             continue
         kwargs: dict[str, Any] = {"default": None, "help": help_text, "dest": name}
         if get_origin(annotation) is Literal:

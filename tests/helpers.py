@@ -21,21 +21,33 @@ TIE_TOLERANCE = 1e-3
 
 def load_reference_model(settings: Settings) -> LoadedModel:
     """The pool's model, loaded in this process on the CPU."""
-    return load_model(resolve_model_dir(settings.model), settings.dtype, torch.device("cpu"),
-                      settings.max_kv_len)
+    return load_model(
+        resolve_model_dir(settings.model), settings.dtype, torch.device("cpu"), settings.max_kv_len
+    )
 
 
 def reference_runner(loaded: LoadedModel, settings: Settings) -> LaunchRunner:
     """Launches of the same shapes as the pool's ranks, for lone-request references."""
-    return LaunchRunner(loaded, settings.kv_slots_per_rank, settings.max_kv_len,
-                        settings.prefill_chunk, settings.decode_batch)
+    return LaunchRunner(
+        loaded,
+        settings.kv_slots_per_rank,
+        settings.max_kv_len,
+        settings.prefill_chunk,
+        settings.decode_batch,
+    )
 
 
-def reference(loaded: LoadedModel, runner: LaunchRunner, settings: Settings,
-              prompt_ids: list[int], max_tokens: int) -> ReferenceCompletion:
+def reference(
+    loaded: LoadedModel,
+    runner: LaunchRunner,
+    settings: Settings,
+    prompt_ids: list[int],
+    max_tokens: int,
+) -> ReferenceCompletion:
     """Greedy tokens of the request run alone."""
-    return generate_alone(runner, prompt_ids, max_tokens, set(loaded.config.eos_token_ids),
-                          settings.max_model_len)
+    return generate_alone(
+        runner, prompt_ids, max_tokens, set(loaded.config.eos_token_ids), settings.max_model_len
+    )
 
 
 def random_prompt(rng: random.Random, length: int, vocab_size: int) -> list[int]:

@@ -7,6 +7,7 @@ import random
 import msgpack
 import pytest
 
+from npu_worker.reference import first_divergence
 from producer.client import Client
 from schemas.codec import decode
 from schemas.control import StepResult
@@ -21,22 +22,25 @@ from tests.helpers import (
     reference_runner,
     wait_until,
 )
-from npu_worker.reference import first_divergence
 
 PROMPT_LENGTHS = [1, 127, 128, 129, 300, 2, 64, 200, 255, 256, 257, 17]
 
 
-def test_concurrent_greedy_requests_match_each_request_run_alone(start_pool, client: Client,
-                                                                 redis_client) -> None:
-    settings = start_pool(ranks=2, decode_batch=4, max_num_seqs=32, kv_slots_per_rank=16,
-                          max_model_len=512)
+def test_concurrent_greedy_requests_match_each_request_run_alone(
+    start_pool, client: Client, redis_client
+) -> None:
+    settings = start_pool(
+        ranks=2, decode_batch=4, max_num_seqs=32, kv_slots_per_rank=16, max_model_len=512
+    )
     loaded = load_reference_model(settings)
     rng = random.Random(2)
     vocab = loaded.config.vocab_size
     lengths = [PROMPT_LENGTHS[i % len(PROMPT_LENGTHS)] for i in range(40)]
     cases = [(random_prompt(rng, n, vocab), rng.randrange(1, 65)) for n in lengths]
-    ids = [client.submit(prompt_token_ids=p, max_tokens=m, request_id=f"r{i}")
-           for i, (p, m) in enumerate(cases)]
+    ids = [
+        client.submit(prompt_token_ids=p, max_tokens=m, request_id=f"r{i}")
+        for i, (p, m) in enumerate(cases)
+    ]
 
     runner = reference_runner(loaded, settings)
     for request_id, (prompt, max_tokens) in zip(ids, cases):
@@ -55,8 +59,7 @@ def test_concurrent_greedy_requests_match_each_request_run_alone(start_pool, cli
     results = redis_client.xrange(Keys().step_results(settings.pool))
     steps = [decode(StepResult, fields[b"m"]) for _, fields in results]
     assert max(s.num_decode_launches for s in steps) == 4  # 16 rows per rank, B4 launches
-    assert all(s.num_decode_rows + s.num_padding_rows == 4 * s.num_decode_launches
-               for s in steps)
+    assert all(s.num_decode_rows + s.num_padding_rows == 4 * s.num_decode_launches for s in steps)
     wait_until(lambda: redis_client.xlen(Keys().requests) == 0, what="every entry deleted")
 
 
