@@ -1,0 +1,122 @@
+"""Client admission, URL discovery, settings flags and the command dispatcher."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import pytest
+import redis
+
+from producer.client import AsyncClient, Client, QueueFull
+from producer.embedded import EmbeddedRedis
+from schemas.cli import main as cli_main
+from schemas.config import Settings, resolve_redis_url
+from schemas.keys import Keys
+
+
+def test_submit_refuses_atomically_at_max_queue_with_the_depth(
+    redis_url: str, redis_client
+) -> None:
+    with Client(redis_url, max_queue=3) as client:
+        for i in range(3):
+            client.submit("hello", request_id=f"q{i}")
+        with pytest.raises(QueueFull) as info:
+            client.submit("one too many")
+    assert info.value.depth == 3 and info.value.max_queue == 3
+    assert "queue full: 3 outstanding" in str(info.value)
+    assert redis_client.xlen(Keys().requests) == 3
+
+
+def test_submit_rejects_unknown_keywords_before_enqueuing(redis_url: str, redis_client) -> None:
+    with Client(redis_url) as client, pytest.raises(TypeError, match="max_tokenz"):
+        client.submit("hi", max_tokenz=3)
+    assert redis_client.xlen(Keys().requests) == 0
+
+
+def test_client_without_url_finds_the_recorded_embedded_redis(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("NPUPOOL_HOME", str(tmp_path))
+    with pytest.raises(ConnectionError, match="npu-pool up"):
+        resolve_redis_url(None)
+    server = EmbeddedRedis(data_dir=tmp_path / "redis")
+    server.start()
+    try:
+        server.record()
+        with Client() as client:
+            assert client.redis.ping()
+            assert client.redis.connection_pool.connection_kwargs["port"] == server.port
+    finally:
+        server.stop()
+    assert not (tmp_path / "redis.json").exists()
+
+
+def test_embedded_redis_runs_with_aof_and_a_password(tmp_path) -> None:
+    with EmbeddedRedis(data_dir=tmp_path, password="s3cret") as server:
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=server.port).ping()
+        client = redis.Redis.from_url(server.url)
+        assert client.config_get("appendonly")["appendonly"] == "yes"
+        assert client.config_get("bind")["bind"] == "127.0.0.1"
+        client.close()
+
+
+def test_wait_ready_without_a_pool_times_out_with_advice(redis_url: str) -> None:
+    with Client(redis_url) as client, pytest.raises(TimeoutError, match="npu-pool status"):
+        client.wait_ready(timeout_s=0.3)
+
+
+def test_async_client_submits_and_times_out_cleanly(redis_url: str, redis_client) -> None:
+    async def scenario() -> None:
+        client = AsyncClient(redis_url)
+        try:
+            request_id = await client.submit("async hello", max_tokens=2)
+            with pytest.raises(TimeoutError, match=request_id):
+                await client.result(request_id, timeout_s=0.2)
+        finally:
+            await client.close()
+
+    asyncio.run(scenario())
+    assert redis_client.xlen(Keys().requests) == 1
+
+
+def test_settings_come_from_flags_over_environment(monkeypatch) -> None:
+    monkeypatch.setenv("NPUPOOL_MAX_NUM_SEQS", "7")
+    monkeypatch.setenv("REDIS_URL", "redis://example:6379/0")
+    settings = Settings()
+    assert settings.max_num_seqs == 7 and settings.redis_url == "redis://example:6379/0"
+    assert Settings(max_num_seqs=9).max_num_seqs == 9
+    with pytest.raises(ValueError, match="prefill_chunk=256 exceeds max_model_len=128"):
+        Settings(prefill_chunk=256, max_model_len=128)
+
+
+def test_service_args_round_trip_through_the_flags() -> None:
+    import argparse
+
+    from schemas.config import add_settings_flags, settings_from_args
+
+    original = Settings(ranks=3, decode_batch=4, mtp=True, pool="p1", dtype="float64")
+    parser = argparse.ArgumentParser()
+    add_settings_flags(parser)
+    assert settings_from_args(parser.parse_args(original.service_args())) == original
+
+
+def test_dispatcher_rejects_unknown_commands_and_bad_values(capsys) -> None:
+    assert cli_main(["frobnicate"]) == 2
+    assert "unknown command 'frobnicate'" in capsys.readouterr().err
+    assert cli_main(["batcher", "--prefill-chunk", "999", "--max-model-len", "64"]) == 2
+    assert "prefill_chunk=999 exceeds max_model_len=64" in capsys.readouterr().err
+    assert cli_main([]) == 0
+    assert "demo" in capsys.readouterr().out
+
+
+def test_producer_and_batcher_never_import_torch() -> None:
+    code = (
+        "import sys, producer.cli, producer.client, producer.launcher, producer.demo, "
+        "batcher.service; bad = [m for m in ('torch',) if m in sys.modules]; print(bad)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
+    assert json.loads(out.strip().replace("'", '"')) == []
