@@ -32,8 +32,12 @@ class Settings(BaseSettings):
     namespace: str = Field(default="npupool", description="prefix of every Redis key")
     pool: str = Field(default="default", description="name of this pool")
     model: str = Field(default="tiny", description="model directory, or `tiny`")
-    dtype: Literal["auto", "float32", "bfloat16", "float16", "float64"] = "auto"
-    device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "float64"] = Field(
+        default="auto", description="weights and KV dtype; auto: the checkpoint's"
+    )
+    device: Literal["auto", "cpu", "cuda", "npu"] = Field(
+        default="auto", description="auto picks npu, then cuda, then cpu"
+    )
     ranks: int = Field(default=1, ge=1, le=64, description="data-parallel worker ranks")
     max_num_seqs: int = Field(default=64, ge=1, description="admitted requests, whole pool")
     kv_slots_per_rank: int = Field(default=16, ge=1, description="KV cache slots per rank")
@@ -45,12 +49,12 @@ class Settings(BaseSettings):
     lockstep: bool = Field(default=False, description="every rank runs the same launches")
     max_inflight_steps: int = Field(default=2, ge=1, le=2, description="steps dispatched ahead")
     max_queue: int = Field(default=10000, ge=1, description="outstanding requests accepted")
-    max_request_bytes: int = Field(default=1 << 20, ge=256)
-    max_deliveries: int = Field(default=3, ge=1)
+    max_request_bytes: int = Field(default=1 << 20, ge=256, description="largest entry accepted")
+    max_deliveries: int = Field(default=3, ge=1, description="deliveries before an entry is dead")
     result_ttl_s: int = Field(default=3600, ge=1, description="result stream lifetime")
-    drain_timeout_s: float = Field(default=30.0, ge=0.0)
-    heartbeat_s: float = Field(default=1.0, gt=0.0)
-    rank_timeout_s: float = Field(default=10.0, gt=0.0)
+    drain_timeout_s: float = Field(default=30.0, ge=0.0, description="SIGTERM: time to finish")
+    heartbeat_s: float = Field(default=1.0, gt=0.0, description="registry heartbeat period")
+    rank_timeout_s: float = Field(default=10.0, gt=0.0, description="heartbeat age of a dead rank")
     threads_per_rank: int = Field(default=0, ge=0, description="torch CPU threads, 0: auto")
 
     @model_validator(mode="after")
