@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -124,7 +125,8 @@ class AsyncClient:
         settings = Settings()
         self.keys = Keys(namespace or settings.namespace)
         self.max_queue = max_queue or settings.max_queue
-        self.redis = aioredis.Redis.from_url(resolve_redis_url(redis_url or settings.redis_url))
+        self.url = resolve_redis_url(redis_url or settings.redis_url)
+        self.redis = aioredis.Redis.from_url(self.url)
         self._admit = self.redis.register_script(ADMIT_SCRIPT)
 
     async def submit(
@@ -173,6 +175,11 @@ class AsyncClient:
         await self.redis.xadd(
             self.keys.cancel, {"id": request_id}, maxlen=100_000, approximate=True
         )
+
+    async def wait_ready(self, timeout_s: float = 60.0, pool: str | None = None) -> str:
+        """Wait until a pool (or the named one) has all ranks ready; returns its name."""
+        with Client(self.url, self.keys.ns) as client:
+            return await asyncio.to_thread(client.wait_ready, timeout_s, pool)
 
     async def close(self) -> None:
         """Drop the connection."""

@@ -91,3 +91,27 @@ def test_bad_field_gets_a_final_rejected_chunk_and_the_pool_keeps_serving(
     wait_until(lambda: redis_client.xlen(Keys().requests) == 0, what="every entry deleted")
     assert redis_client.xlen(Keys().dead) == 0
     assert settings.max_model_len == 512
+
+
+def test_async_client_streams_the_same_greedy_tokens_as_the_sync_client(
+    start_pool, client: Client, redis_url: str
+) -> None:
+    import asyncio
+
+    from producer.client import AsyncClient
+
+    start_pool(ranks=1, max_model_len=256)
+    expected = client.generate("async or not", max_tokens=12, timeout_s=60)
+
+    async def run() -> list:
+        aclient = AsyncClient(redis_url)
+        try:
+            assert await aclient.wait_ready(timeout_s=10) == "default"
+            request_id = await aclient.submit("async or not", max_tokens=12)
+            return [chunk async for chunk in aclient.stream(request_id, timeout_s=60)]
+        finally:
+            await aclient.close()
+
+    chunks = asyncio.run(run())
+    assert check_stream(chunks) == expected.token_ids
+    assert "".join(c.text for c in chunks) == expected.text
