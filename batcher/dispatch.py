@@ -21,15 +21,16 @@ def rank_plans(
 
     for seq in plan.admitted:
         entry = tracked[seq.request_id]
-        request = entry.request
         for_rank(seq.rank).new_requests.append(
             NewRequest(
                 request_id=seq.request_id,
                 slot=seq.slot,
-                prompt_token_ids=entry.prompt_ids,
+                prompt_token_ids=entry.prompt_ids + entry.resumed_ids,
                 num_prompt_tokens=len(entry.prompt_ids),
-                sampling=request.sampling,
-                result_ttl_s=request.result_ttl_s or settings.result_ttl_s,
+                sampling=entry.request.sampling,
+                start_index=len(entry.resumed_ids),
+                start_seq=entry.start_seq,
+                result_ttl_s=entry.ttl_s(settings.result_ttl_s),
             )
         )
     for launch in plan.decode_launches:

@@ -1,17 +1,18 @@
-"""Turning request entries into planner Sequences, or into dead letters and rejections."""
+"""Turning request entries into tracked requests, or into dead letters and batcher-written ends."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis
 from tokenizers import Tokenizer
 
 from batcher.scheduler import Sequence
-from schemas.codec import DeadLetter, Rejected, decode_request, encode
+from schemas.codec import DeadLetter, Rejected, decode_request
 from schemas.keys import FIELD, GROUP, Keys
-from schemas.messages import ErrorInfo, FinishReason, GenerateRequest, ResultChunk
+from schemas.messages import ErrorInfo, FinishReason, GenerateRequest, ResultChunk, Usage
+from schemas.results import ResultWriter
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,14 +25,29 @@ class ModelFacts:
 
 @dataclass(slots=True)
 class Tracked:
-    """A request the pool has taken from the stream, from admission to its final chunk."""
+    """A request the pool has taken from the stream, until its final chunk is written.
+
+    `resumed_ids` are completion tokens already on its result stream (after a failure the
+    request re-enters with them appended to its prompt); `start_seq` is the next chunk.
+    """
 
     entry_id: bytes
     request: GenerateRequest
     prompt_ids: list[int]
-    seq: Sequence
+    seq: Sequence | None = None
+    resumed_ids: list[int] = field(default_factory=list)
+    start_seq: int = 0
     num_published: int = 0
-    admitted_at: float = 0.0
+    stop_reason: FinishReason | None = None
+
+    @property
+    def request_id(self) -> str:
+        """The request's id."""
+        return self.request.id
+
+    def ttl_s(self, default_s: int) -> int:
+        """Lifetime of its result stream after the final chunk."""
+        return self.request.result_ttl_s or default_s
 
 
 def parse_entry(
@@ -71,23 +87,25 @@ def parse_entry(
     return request, prompt_ids
 
 
-def to_sequence(
-    request: GenerateRequest, prompt_ids: list[int], order: int, max_model_len: int
-) -> Sequence:
-    """The planner's view of a freshly read request."""
-    max_new = min(request.sampling.max_tokens, max_model_len - len(prompt_ids))
-    return Sequence(request.id, len(prompt_ids), max_new, order, request.priority)
+def make_sequence(tracked: Tracked, order: int, max_model_len: int) -> Sequence:
+    """The planner's view of a request, resuming after any tokens already published."""
+    request = tracked.request
+    num_context = len(tracked.prompt_ids) + len(tracked.resumed_ids)
+    max_new = min(
+        request.sampling.max_tokens - len(tracked.resumed_ids), max_model_len - num_context
+    )
+    return Sequence(request.id, num_context, max_new, order, request.priority)
 
 
 def write_dead_letter(
     pipe: redis.client.Pipeline,
     keys: Keys,
     entry_id: bytes,
-    fields: dict[bytes, bytes],
+    fields: dict[bytes, bytes] | None,
     reason: str,
 ) -> None:
     """Move an unusable entry to `{ns}:dead` with the reason, and drop it from the stream."""
-    payload = fields.get(FIELD.encode(), b"")
+    payload = (fields or {}).get(FIELD.encode(), b"")
     pipe.xadd(
         keys.dead,
         {
@@ -99,40 +117,51 @@ def write_dead_letter(
         maxlen=100_000,
         approximate=True,
     )
+    settle(pipe, keys, entry_id)
+
+
+def settle(pipe: redis.client.Pipeline, keys: Keys, entry_id: bytes) -> None:
+    """Acknowledge and delete a request entry whose final chunk is written."""
     pipe.xack(keys.requests, GROUP, entry_id)
     pipe.xdel(keys.requests, entry_id)
 
 
-def write_final_error(
+def end_by_batcher(
     pipe: redis.client.Pipeline,
-    keys: Keys,
-    request_id: str,
+    writer: ResultWriter,
+    tracked: Tracked,
     reason: FinishReason,
-    code: str,
-    message: str,
     ttl_s: int,
-    seq: int = 0,
-    index: int = 0,
+    error: ErrorInfo | None = None,
 ) -> None:
-    """End a request's result stream with one final chunk carrying an error."""
+    """Write the final chunk of a request no rank holds (queued, or out of budget)."""
+    num_done = len(tracked.resumed_ids)
     chunk = ResultChunk(
-        id=request_id,
-        seq=seq,
-        index=index,
+        id=tracked.request_id,
+        seq=tracked.start_seq,
+        index=num_done,
         finish_reason=reason,
-        error=ErrorInfo(code=code, message=message),
+        error=error,
+        usage=Usage(prompt_tokens=len(tracked.prompt_ids), completion_tokens=num_done),
     )
-    key = keys.result(request_id)
-    pipe.xadd(key, {FIELD: encode(chunk)})
-    pipe.expire(key, ttl_s)
+    writer.append(pipe, chunk, tracked.ttl_s(ttl_s))
 
 
 def reject(
-    pipe: redis.client.Pipeline, keys: Keys, entry_id: bytes, exc: Rejected, ttl_s: int
+    pipe: redis.client.Pipeline,
+    writer: ResultWriter,
+    keys: Keys,
+    entry_id: bytes,
+    exc: Rejected,
+    ttl_s: int,
 ) -> None:
     """Answer a parsable but bad entry with a final `rejected` chunk and drop the entry."""
-    write_final_error(
-        pipe, keys, exc.request_id, FinishReason.REJECTED, exc.code, exc.message, ttl_s
+    chunk = ResultChunk(
+        id=exc.request_id,
+        seq=0,
+        index=0,
+        finish_reason=FinishReason.REJECTED,
+        error=ErrorInfo(code=exc.code, message=exc.message),
     )
-    pipe.xack(keys.requests, GROUP, entry_id)
-    pipe.xdel(keys.requests, entry_id)
+    writer.append(pipe, chunk, ttl_s)
+    settle(pipe, keys, entry_id)

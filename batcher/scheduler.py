@@ -1,7 +1,7 @@
 """The step planner (DESIGN §3): a pure function of pool state and config, no I/O, no torch.
 
 `plan_step` admits waiting requests and packs decode rows and prefill chunks onto the
-fixed launches; `finish` applies a request's end. Only these two mutate a Sequence.
+fixed launches; `finish`, `stop`, `lose_rank` and `join_rank` apply what happened since.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ class Sequence:
     slot: int = -1
     num_prefilled: int = 0
     num_planned_tokens: int = 0  # tokens the planned steps will have produced, at most
+    stopping: bool = False  # cancelled or timed out: plan nothing more for it
 
     @property
     def is_admitted(self) -> bool:
@@ -59,9 +60,18 @@ class Sequence:
         return self.num_prefilled >= self.num_prompt_tokens
 
     @property
+    def wants_prefill(self) -> bool:
+        """True while prompt tokens remain to be prefilled."""
+        return not self.is_prefilled and not self.stopping
+
+    @property
     def wants_decode(self) -> bool:
         """True while a decode step could still produce a token for it."""
-        return self.is_prefilled and self.num_planned_tokens < self.max_new_tokens
+        return (
+            self.is_prefilled
+            and self.num_planned_tokens < self.max_new_tokens
+            and not self.stopping
+        )
 
 
 @dataclass(slots=True)
@@ -96,7 +106,7 @@ class PoolState:
     waiting: list[Sequence] = field(default_factory=list)
     running: dict[str, Sequence] = field(default_factory=dict)
     free_slots: list[list[int]] = field(default_factory=list)
-    live_ranks: set[int] = field(default_factory=set)
+    live_ranks: set[int] | None = None  # None: every rank
     next_rank: int = 0
 
     def __post_init__(self) -> None:
@@ -104,12 +114,18 @@ class PoolState:
             self.free_slots = [
                 list(range(self.config.kv_slots_per_rank)) for _ in range(self.config.num_ranks)
             ]
-        if not self.live_ranks:
+        if self.live_ranks is None:
             self.live_ranks = set(range(self.config.num_ranks))
+
+    @property
+    def ranks(self) -> set[int]:
+        """The ranks that can take work now."""
+        assert self.live_ranks is not None  # set in __post_init__
+        return self.live_ranks
 
     def num_free_slots(self) -> int:
         """Free KV slots over live ranks."""
-        return sum(len(self.free_slots[r]) for r in self.live_ranks)
+        return sum(len(self.free_slots[r]) for r in self.ranks)
 
     def room(self) -> int:
         """How many more requests could be admitted now."""
@@ -119,7 +135,7 @@ class PoolState:
 def plan_step(state: PoolState) -> StepPlan:
     """Admit what fits, then plan decode for every prefilled request, then prefill chunks."""
     plan = StepPlan(admitted=_admit(state))
-    by_rank: dict[int, list[Sequence]] = {r: [] for r in sorted(state.live_ranks)}
+    by_rank: dict[int, list[Sequence]] = {r: [] for r in sorted(state.ranks)}
     for seq in state.running.values():
         if seq.rank in by_rank:
             by_rank[seq.rank].append(seq)
@@ -136,10 +152,34 @@ def finish(state: PoolState, request_id: str) -> Sequence | None:
         for s in waiting:
             state.waiting.remove(s)
         return waiting[0] if waiting else None
-    slots = state.free_slots[seq.rank]
-    slots.append(seq.slot)
-    slots.sort()
+    if seq.rank in state.ranks:
+        slots = state.free_slots[seq.rank]
+        slots.append(seq.slot)
+        slots.sort()
     return seq
+
+
+def stop(state: PoolState, request_id: str) -> Sequence | None:
+    """Plan nothing more for a running request (its rank is told to end it)."""
+    seq = state.running.get(request_id)
+    if seq is not None:
+        seq.stopping = True
+    return seq
+
+
+def lose_rank(state: PoolState, rank: int) -> list[Sequence]:
+    """Take a rank out of planning; returns the requests it held, now out of the pool."""
+    state.ranks.discard(rank)
+    lost = [s for s in state.running.values() if s.rank == rank]
+    for seq in lost:
+        del state.running[seq.request_id]
+    return lost
+
+
+def join_rank(state: PoolState, rank: int) -> None:
+    """Put a (new) rank process into planning with all of its KV slots free."""
+    state.ranks.add(rank)
+    state.free_slots[rank] = list(range(state.config.kv_slots_per_rank))
 
 
 def _admit(state: PoolState) -> list[Sequence]:
@@ -157,7 +197,7 @@ def _admit(state: PoolState) -> list[Sequence]:
 
 def _pick_rank(state: PoolState) -> int:
     """The live rank with the most free slots; ties go round-robin."""
-    ranks = sorted(state.live_ranks)
+    ranks = sorted(state.ranks)
     most = max(len(state.free_slots[r]) for r in ranks)
     tied = [r for r in ranks if len(state.free_slots[r]) == most]
     chosen = next((r for r in tied if r >= state.next_rank), tied[0])
@@ -193,7 +233,7 @@ def _plan_prefill(
     """Up to `prefill_slots` chunks per rank, oldest request first."""
     prefill: dict[int, list[PrefillWork]] = {}
     for rank, seqs in by_rank.items():
-        pending = sorted((s for s in seqs if not s.is_prefilled), key=lambda s: s.order)
+        pending = sorted((s for s in seqs if s.wants_prefill), key=lambda s: s.order)
         chunks = []
         for seq in pending[: config.prefill_slots]:
             num_tokens = min(config.prefill_chunk, seq.num_prompt_tokens - seq.num_prefilled)

@@ -1,4 +1,10 @@
-"""One pool's batcher: reads requests, plans steps, dispatches them to ranks, applies results."""
+"""One pool's batcher: reads requests, plans steps, dispatches them to ranks, applies results.
+
+Each (re)start opens a new epoch: the ranks are fenced (they finish what an earlier epoch
+sent, then drop it), and every entry still pending for this pool is resumed from what its
+result stream already holds. Ranks that die are taken out of planning and their requests
+resume elsewhere; entries of pools that die are claimed.
+"""
 
 from __future__ import annotations
 
@@ -10,21 +16,51 @@ import signal
 import socket
 import sys
 import time
-from typing import cast
+import uuid
+from typing import Any, cast
 
 import redis
 from tokenizers import Tokenizer
 
 from batcher.dispatch import rank_plans
-from batcher.intake import ModelFacts, Tracked, parse_entry, reject, to_sequence, write_dead_letter
-from batcher.scheduler import PlannerConfig, PoolState, StepPlan, finish, plan_step
+from batcher.durability import (
+    Delivery,
+    claim_orphans,
+    claim_own_pending,
+    keep_alive,
+    orphaned_pools,
+)
+from batcher.intake import (
+    ModelFacts,
+    Tracked,
+    end_by_batcher,
+    make_sequence,
+    parse_entry,
+    reject,
+    settle,
+    write_dead_letter,
+)
+from batcher.ranks import RankRegistry
+from batcher.scheduler import (
+    PlannerConfig,
+    PoolState,
+    StepPlan,
+    finish,
+    join_rank,
+    lose_rank,
+    plan_step,
+    stop,
+)
 from schemas.codec import CodecError, DeadLetter, Rejected, decode, encode
 from schemas.config import Settings, add_settings_flags, settings_from_args
-from schemas.connection import connect, hash_fields, last_entry_id, stream_entries
-from schemas.control import StepResult
+from schemas.connection import connect, last_entry_id, stream_entries
+from schemas.control import RankStepPlan, SlotStop, StepResult
 from schemas.keys import FIELD, GROUP, Keys
+from schemas.messages import FinishReason
+from schemas.results import ResultWriter, read_published
 
 log = logging.getLogger("npu_pool.batcher")
+REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 
 
 class Batcher:
@@ -32,35 +68,54 @@ class Batcher:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+        self.pool = settings.pool
         self.keys = Keys(settings.namespace)
         self.redis = connect(settings.redis_url)
+        self.writer = ResultWriter(self.redis, self.keys)
+        self.instance = uuid.uuid4().hex[:12]
+        self.lease_ms = int(settings.rank_timeout_s * 1000)
+        self.stopping = False
+        self.stats = {
+            "steps": 0,
+            "tokens": 0,
+            "finished": 0,
+            "rejected": 0,
+            "dead": 0,
+            "recovered": 0,
+            "claimed": 0,
+        }
+        self.tokenizer: Tokenizer | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        s = self.settings
         self.state = PoolState(
             PlannerConfig(
-                num_ranks=settings.ranks,
-                max_num_seqs=settings.max_num_seqs,
-                kv_slots_per_rank=settings.kv_slots_per_rank,
-                decode_batch=settings.decode_batch,
-                prefill_chunk=settings.prefill_chunk,
-                prefill_slots=settings.prefill_slots,
-                lockstep=settings.lockstep,
-            )
+                num_ranks=s.ranks,
+                max_num_seqs=s.max_num_seqs,
+                kv_slots_per_rank=s.kv_slots_per_rank,
+                decode_batch=s.decode_batch,
+                prefill_chunk=s.prefill_chunk,
+                prefill_slots=s.prefill_slots,
+                lockstep=s.lockstep,
+            ),
+            live_ranks=set(),
         )
+        self.registry = RankRegistry(self.redis, self.keys, self.pool, s.ranks, s.rank_timeout_s)
         self.tracked: dict[str, Tracked] = {}
         self.inflight: dict[int, set[int]] = {}
+        self.pending_stops: dict[int, list[SlotStop]] = {}
         self.epoch = 0
         self.step = 0
         self.order = 0
-        self.results_cursor = b"0-0"
-        self.stopping = False
-        self.stats = {"steps": 0, "tokens": 0, "finished": 0, "rejected": 0, "dead": 0}
-        self.last_heartbeat = 0.0
-        self.tokenizer: Tokenizer | None = None
-        self.facts: ModelFacts | None = None
+        self.last_housekeeping = 0.0
+
+    # -- the loop -------------------------------------------------------------------------
 
     def run(self) -> None:
         """Serve until stopped; on stop, admit nothing more and finish what is in flight."""
         try:
-            self._bootstrap()
+            self._start_epoch()
             drain_deadline: float | None = None
             while True:
                 if self.stopping and drain_deadline is None:
@@ -68,42 +123,68 @@ class Batcher:
                     self._set_state("draining")
                     log.info("draining %d running requests", len(self.state.running))
                 if drain_deadline is not None and (
-                    not self.state.running or time.monotonic() > drain_deadline
+                    not (self.state.running or self.inflight) or time.monotonic() > drain_deadline
                 ):
                     break
-                self._tick()
+                try:
+                    self._tick()
+                except REDIS_ERRORS as exc:
+                    log.warning("Redis unavailable (%s); waiting for it", exc)
+                    self._wait_for_redis()
+                    self._start_epoch()
         finally:
             self.close()
 
     def close(self) -> None:
-        """Mark the pool stopped and drop the connection."""
+        """Hand back held entries (drop the lease), mark the pool stopped, disconnect."""
         with contextlib.suppress(redis.RedisError):
+            self.redis.delete(self.keys.lease(self.pool))
             self._set_state("stopped")
         self.redis.close()
 
+    def request_stop(self, *_: object) -> None:
+        """Signal handler: stop admitting and drain."""
+        self.stopping = True
+
     def _tick(self) -> None:
-        self._heartbeat()
+        now = time.monotonic()
+        if now - self.last_housekeeping >= self.settings.heartbeat_s:
+            self.last_housekeeping = now
+            self._housekeeping()
+        self._expire_deadlines()
         busy = bool(self.inflight or self.state.running)
         if not self.stopping:
             self._intake(block_ms=0 if busy else 100)
         while len(self.inflight) < self.settings.max_inflight_steps:
             plan = plan_step(self.state)
-            if plan.is_empty:
+            if plan.is_empty and not self.pending_stops:
                 break
             self._dispatch(plan)
         if self.inflight:
-            self._collect(block_ms=500)
+            self._collect(block_ms=200)
 
-    def _bootstrap(self) -> None:
-        try:
+    def _wait_for_redis(self) -> None:
+        delay = 0.1
+        while not self.stopping:
+            with contextlib.suppress(*REDIS_ERRORS):
+                if self.redis.ping():
+                    return
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
+        raise SystemExit(0)
+
+    # -- epochs ---------------------------------------------------------------------------
+
+    def _start_epoch(self) -> None:
+        """Register, wait for ranks, fence them, and resume every entry this pool holds."""
+        self._reset()
+        with contextlib.suppress(redis.ResponseError):  # BUSYGROUP: it exists already
             self.redis.xgroup_create(self.keys.requests, GROUP, id="0", mkstream=True)
-        except redis.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
-        pool_key = self.keys.pool(self.settings.pool)
+        pool_key = self.keys.pool(self.pool)
         self.epoch = int(self.redis.hincrby(pool_key, "epoch", 1))
-        self.results_cursor = last_entry_id(self.redis, self.keys.step_results(self.settings.pool))
-        self.redis.sadd(self.keys.pools, self.settings.pool)
+        self.results_cursor = last_entry_id(self.redis, self.keys.step_results(self.pool))
+        self.cancel_cursor = last_entry_id(self.redis, self.keys.cancel)
+        self.redis.sadd(self.keys.pools, self.pool)
         self.redis.hset(
             pool_key,
             mapping={
@@ -115,156 +196,299 @@ class Batcher:
         )
         self._set_state("starting")
         self._wait_for_ranks()
+        self._dispatch(StepPlan())  # the fence: ranks drop state of earlier epochs
+        while self.inflight and not self.stopping:
+            self._collect(block_ms=200)
+            self._poll_ranks()
+        deliveries = claim_own_pending(self.redis, self.keys, self.pool)
+        self._accept(deliveries, resume=True)
+        self.stats["recovered"] += len(deliveries)
         self._set_state("ready")
         log.info(
-            "pool %s ready: epoch %d, %d ranks", self.settings.pool, self.epoch, self.settings.ranks
+            "pool %s ready: epoch %d, ranks %s, %d requests resumed",
+            self.pool,
+            self.epoch,
+            sorted(self.state.ranks),
+            len(deliveries),
         )
 
     def _wait_for_ranks(self) -> None:
+        """Until every rank is up, or at least one is and a rank timeout has passed."""
+        started = time.monotonic()
         while not self.stopping:
-            infos = [
-                hash_fields(self.redis.hgetall(self.keys.rank(self.settings.pool, r)))
-                for r in range(self.settings.ranks)
-            ]
-            now_ms = time.time() * 1000
-            if all(
-                i.get(b"state") == b"ready"
-                and now_ms - float(i.get(b"hb_ms", 0)) < self.settings.rank_timeout_s * 1000
-                for i in infos
-            ):
-                raw = self.redis.get(self.keys.tokenizer(self.settings.pool))
-                if raw is not None:
-                    self.tokenizer = Tokenizer.from_str(cast(bytes, raw).decode())
-                    self.facts = ModelFacts(
-                        int(infos[0][b"vocab_size"]), self.settings.max_model_len
-                    )
-                    return
+            self._poll_ranks()
+            everyone = len(self.state.ranks) == self.settings.ranks
+            waited = time.monotonic() - started > self.settings.rank_timeout_s
+            if self.state.ranks and (everyone or waited) and self._load_tokenizer():
+                return
             time.sleep(0.1)
         raise SystemExit(0)
 
+    def _load_tokenizer(self) -> bool:
+        raw = self.redis.get(self.keys.tokenizer(self.pool))
+        if raw is None:
+            return False
+        self.tokenizer = Tokenizer.from_str(cast(bytes, raw).decode())
+        self.facts = ModelFacts(self.registry.vocab_size, self.settings.max_model_len)
+        return True
+
+    def _poll_ranks(self) -> None:
+        changes = self.registry.poll()
+        for rank in changes.lost:
+            log.warning("rank %d lost; moving its requests", rank)
+            self.pending_stops.pop(rank, None)
+            for waiting in self.inflight.values():
+                waiting.discard(rank)
+            self.inflight = {s: w for s, w in self.inflight.items() if w}
+            lost = lose_rank(self.state, rank)
+            self._requeue([self.tracked[s.request_id] for s in lost])
+        for rank in changes.joined:
+            log.info("rank %d joined (%s)", rank, self.registry.incarnation(rank))
+            join_rank(self.state, rank)
+
+    def _housekeeping(self) -> None:
+        self._poll_ranks()
+        keep_alive(
+            self.redis,
+            self.keys,
+            self.pool,
+            self.instance,
+            self.lease_ms,
+            [t.entry_id for t in self.tracked.values()],
+        )
+        room = self.state.room() - len(self.state.waiting)
+        if room > 0 and not self.stopping and orphaned_pools(self.redis, self.keys, self.pool):
+            claimed = claim_orphans(self.redis, self.keys, self.pool, self.lease_ms, room)
+            if claimed:
+                log.info("claimed %d requests of pools that are gone", len(claimed))
+                self.stats["claimed"] += len(claimed)
+                self._accept(claimed, resume=True)
+        fields: dict[str, int] = {
+            "hb_ms": int(time.time() * 1000),
+            "running": len(self.state.running),
+            "waiting": len(self.state.waiting),
+            **self.stats,
+        }
+        self.redis.hset(self.keys.pool(self.pool), mapping=fields)  # type: ignore[arg-type]
+
+    def _set_state(self, state: str) -> None:
+        self.redis.hset(self.keys.pool(self.pool), "state", state)
+
+    # -- intake ---------------------------------------------------------------------------
+
     def _intake(self, block_ms: int) -> None:
-        """Read as many new entries as could be admitted, parse them, reject the bad ones."""
+        """Read as many new entries as could be admitted."""
         wanted = self.state.room() - len(self.state.waiting)
         if wanted <= 0:
             if block_ms:
                 time.sleep(block_ms / 1000)
             return
         reply = self.redis.xreadgroup(
-            GROUP,
-            self.settings.pool,
-            {self.keys.requests: ">"},
-            count=wanted,
-            block=block_ms or None,
+            GROUP, self.pool, {self.keys.requests: ">"}, count=wanted, block=block_ms or None
         )
-        if not reply:
-            return
-        assert self.tokenizer is not None and self.facts is not None
+        entries = stream_entries(reply)
+        if entries:
+            self._accept([Delivery(i, f, 1) for i, f in entries], resume=False)
+
+    def _accept(self, deliveries: list[Delivery], resume: bool) -> None:
+        """Validate entries, settle or end the ones that need no rank, track the rest."""
+        assert self.tokenizer is not None
         pipe = self.redis.pipeline(transaction=False)
-        for entry_id, fields in stream_entries(reply):
+        fresh: list[Tracked] = []
+        for d in deliveries:
+            if d.fields is None:  # deleted since it was read: already settled
+                settle(pipe, self.keys, d.entry_id)
+                continue
+            if d.times_delivered > self.settings.max_deliveries:
+                write_dead_letter(
+                    pipe,
+                    self.keys,
+                    d.entry_id,
+                    d.fields,
+                    f"delivered {d.times_delivered} times without finishing",
+                )
+                self.stats["dead"] += 1
+                continue
             try:
                 request, prompt_ids = parse_entry(
-                    fields.get(FIELD.encode()),
+                    d.fields.get(FIELD.encode()),
                     self.tokenizer,
                     self.facts,
                     self.settings.max_request_bytes,
                 )
             except DeadLetter as exc:
-                write_dead_letter(pipe, self.keys, entry_id, fields, str(exc))
+                write_dead_letter(pipe, self.keys, d.entry_id, d.fields, str(exc))
                 self.stats["dead"] += 1
-                log.warning("dead letter %s: %s", entry_id, exc)
+                log.warning("dead letter %s: %s", d.entry_id, exc)
                 continue
             except Rejected as exc:
-                reject(pipe, self.keys, entry_id, exc, self.settings.result_ttl_s)
+                reject(pipe, self.writer, self.keys, d.entry_id, exc, self.settings.result_ttl_s)
                 self.stats["rejected"] += 1
-                log.info("rejected %s: %s", exc.request_id, exc.message)
                 continue
             if request.id in self.tracked:
-                duplicate = Rejected(
-                    request.id, "duplicate_id", f"field `id`: {request.id!r} is already running"
+                write_dead_letter(
+                    pipe,
+                    self.keys,
+                    d.entry_id,
+                    d.fields,
+                    f"field `id`: {request.id!r} duplicates a request in progress",
                 )
-                write_dead_letter(pipe, self.keys, entry_id, fields, duplicate.message)
+                self.stats["dead"] += 1
                 continue
             self.order += 1
-            seq = to_sequence(request, prompt_ids, self.order, self.settings.max_model_len)
-            self.tracked[request.id] = Tracked(entry_id, request, prompt_ids, seq)
-            self.state.waiting.append(seq)
+            tracked = Tracked(d.entry_id, request, prompt_ids)
+            self.tracked[request.id] = tracked
+            fresh.append(tracked)
+        pipe.execute()
+        self._enqueue(fresh, resume)
+
+    def _requeue(self, lost: list[Tracked]) -> None:
+        """Requests whose rank was lost (or lost them) re-enter after what they published."""
+        self.stats["recovered"] += len(lost)
+        self._enqueue(lost, resume=True)
+
+    def _enqueue(self, requests: list[Tracked], resume: bool) -> None:
+        """Put tracked requests in the waiting queue, or end them now if nothing is left."""
+        if not requests:
+            return
+        ids = [t.request_id for t in requests]
+        published = read_published(self.redis, self.keys, ids) if resume else {}
+        cancelled = self.redis.zmscore(self.keys.cancelled, ids)
+        now_ms = time.time() * 1000
+        pipe = self.redis.pipeline(transaction=False)
+        for tracked, cancel_score in zip(requests, cancelled):
+            found = published.get(tracked.request_id)
+            if found is not None:
+                if found.final is not None:
+                    self._forget(tracked, pipe)
+                    continue
+                tracked.resumed_ids, tracked.start_seq = found.token_ids, found.next_seq
+            deadline = tracked.request.deadline_ms
+            if cancel_score is not None and tracked.stop_reason is None:
+                tracked.stop_reason = FinishReason.CANCELLED
+            elif deadline is not None and deadline <= now_ms and tracked.stop_reason is None:
+                tracked.stop_reason = FinishReason.TIMEOUT
+            order = tracked.seq.order if tracked.seq is not None else self.order
+            tracked.seq = make_sequence(tracked, order, self.settings.max_model_len)
+            reason = tracked.stop_reason
+            if reason is None and tracked.seq.max_new_tokens <= 0:
+                reason = FinishReason.LENGTH
+            if reason is not None:
+                end_by_batcher(pipe, self.writer, tracked, reason, self.settings.result_ttl_s)
+                self._forget(tracked, pipe)
+                continue
+            self.state.waiting.append(tracked.seq)
         pipe.execute()
 
-    def _dispatch(self, plan: StepPlan) -> None:
-        """Send each rank its share of the step in one pipelined round trip."""
-        self.step += 1
-        now = time.monotonic()
-        for seq in plan.admitted:
-            self.tracked[seq.request_id].admitted_at = now
-        plans = rank_plans(plan, self.tracked, self.epoch, self.step, self.settings)
+    def _forget(self, tracked: Tracked, pipe: redis.client.Pipeline) -> None:
+        finish(self.state, tracked.request_id)
+        self.tracked.pop(tracked.request_id, None)
+        settle(pipe, self.keys, tracked.entry_id)
+        self.stats["finished"] += 1
+
+    # -- cancels and deadlines ------------------------------------------------------------
+
+    def _stop(self, request_id: str, reason: FinishReason) -> None:
+        tracked = self.tracked.get(request_id)
+        if tracked is None or tracked.stop_reason is not None:
+            return
+        tracked.stop_reason = reason
+        seq = stop(self.state, request_id)
+        if seq is not None:
+            self.pending_stops.setdefault(seq.rank, []).append(
+                SlotStop(slot=seq.slot, request_id=request_id, finish_reason=reason.value)
+            )
+            return
         pipe = self.redis.pipeline(transaction=False)
-        for rank_plan in plans:
+        end_by_batcher(pipe, self.writer, tracked, reason, self.settings.result_ttl_s)
+        self._forget(tracked, pipe)
+        pipe.execute()
+
+    def _expire_deadlines(self) -> None:
+        now_ms = time.time() * 1000
+        late = [
+            t.request_id
+            for t in self.tracked.values()
+            if t.request.deadline_ms is not None and t.request.deadline_ms <= now_ms
+        ]
+        for request_id in late:
+            self._stop(request_id, FinishReason.TIMEOUT)
+
+    # -- steps ----------------------------------------------------------------------------
+
+    def _dispatch(self, plan: StepPlan) -> None:
+        """Send each live rank its share of the step in one pipelined round trip."""
+        self.step += 1
+        plans = rank_plans(plan, self.tracked, self.epoch, self.step, self.settings)
+        by_rank = {p.rank: p for p in plans}
+        fence = plan.is_empty and not plan.admitted
+        for rank in sorted(self.state.ranks):
+            stops = self.pending_stops.pop(rank, [])
+            if rank in by_rank or stops or fence:
+                rank_plan = by_rank.setdefault(
+                    rank, RankStepPlan(epoch=self.epoch, step=self.step, rank=rank)
+                )
+                rank_plan.stops = stops
+        pipe = self.redis.pipeline(transaction=False)
+        for rank, rank_plan in sorted(by_rank.items()):
+            rank_plan.incarnation = self.registry.incarnation(rank)
             pipe.xadd(
-                self.keys.plan(self.settings.pool, rank_plan.rank),
+                self.keys.plan(self.pool, rank),
                 {FIELD: encode(rank_plan)},
                 maxlen=1000,
                 approximate=True,
             )
         pipe.execute()
-        self.inflight[self.step] = {p.rank for p in plans}
+        if by_rank:
+            self.inflight[self.step] = set(by_rank)
         self.stats["steps"] += 1
 
     def _collect(self, block_ms: int) -> None:
-        """Wait for step results and apply them: free slots, ack and delete finished entries."""
-        key = self.keys.step_results(self.settings.pool)
-        reply = self.redis.xread({key: self.results_cursor}, count=64, block=block_ms)
-        if not reply:
-            return
+        """Wait for step results and cancels; apply them."""
+        streams: dict[Any, Any] = {
+            self.keys.step_results(self.pool): self.results_cursor,
+            self.keys.cancel: self.cancel_cursor,
+        }
+        reply = self.redis.xread(streams, count=256, block=block_ms)
         pipe = self.redis.pipeline(transaction=False)
-        for entry_id, fields in stream_entries(reply):
-            self.results_cursor = entry_id
-            try:
-                result = decode(StepResult, fields[FIELD.encode()])
-            except (CodecError, KeyError) as exc:
-                log.error("unreadable step result %s: %s", entry_id, exc)
-                continue
-            if result.epoch == self.epoch:
-                self._apply(result, pipe)
+        for key, entries in cast(list, reply or []):
+            is_cancel = key.decode() == self.keys.cancel
+            for entry_id, fields in entries:
+                if is_cancel:
+                    self.cancel_cursor = entry_id
+                    self._stop(fields.get(b"id", b"").decode(), FinishReason.CANCELLED)
+                    continue
+                self.results_cursor = entry_id
+                try:
+                    result = decode(StepResult, fields[FIELD.encode()])
+                except (CodecError, KeyError) as exc:
+                    log.error("unreadable step result %s: %s", entry_id, exc)
+                    continue
+                if result.epoch == self.epoch and (
+                    result.incarnation == self.registry.incarnation(result.rank)
+                ):
+                    self._apply(result, pipe)
         pipe.execute()
 
     def _apply(self, result: StepResult, pipe: redis.client.Pipeline) -> None:
+        lost: list[Tracked] = []
         for outcome in result.outcomes:
             tracked = self.tracked.get(outcome.request_id)
-            if tracked is None:
+            if tracked is None or tracked.seq is None or tracked.seq.rank != result.rank:
                 continue
             tracked.num_published += outcome.num_new_tokens
             self.stats["tokens"] += outcome.num_new_tokens
-            if outcome.finish_reason is not None:
+            if outcome.lost:
                 finish(self.state, outcome.request_id)
-                del self.tracked[outcome.request_id]
-                pipe.xack(self.keys.requests, GROUP, tracked.entry_id)
-                pipe.xdel(self.keys.requests, tracked.entry_id)
-                self.stats["finished"] += 1
+                lost.append(tracked)
+            elif outcome.finish_reason is not None:
+                self._forget(tracked, pipe)
         waiting = self.inflight.get(result.step)
         if waiting is not None:
             waiting.discard(result.rank)
             if not waiting:
                 del self.inflight[result.step]
-
-    def _heartbeat(self) -> None:
-        now = time.time()
-        if now - self.last_heartbeat < self.settings.heartbeat_s:
-            return
-        self.last_heartbeat = now
-        fields: dict[str, int] = {
-            "hb_ms": int(now * 1000),
-            "running": len(self.state.running),
-            "waiting": len(self.state.waiting),
-            **self.stats,
-        }
-        self.redis.hset(self.keys.pool(self.settings.pool), mapping=fields)  # type: ignore[arg-type]
-
-    def _set_state(self, state: str) -> None:
-        self.redis.hset(self.keys.pool(self.settings.pool), "state", state)
-
-    def request_stop(self, *_: object) -> None:
-        """Signal handler: stop admitting and drain."""
-        self.stopping = True
+        self._requeue(lost)
 
 
 def main(argv: list[str]) -> int:

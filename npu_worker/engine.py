@@ -7,7 +7,7 @@ applies stop conditions and returns the chunks to publish and the step result.
 
 from __future__ import annotations
 
-import secrets
+import hashlib
 import time
 from dataclasses import dataclass, field
 
@@ -48,10 +48,9 @@ class RequestState:
 
 @dataclass(slots=True)
 class StepOutput:
-    """What a step produced on a rank: chunks to publish, TTLs to set, the step result."""
+    """What a step produced on a rank: chunks to publish (with stream TTLs) and its result."""
 
-    chunks: list[ResultChunk]
-    expiring: dict[str, int]  # request_id -> result_ttl_s of streams that just ended
+    chunks: list[tuple[ResultChunk, int]]
     result: StepResult
 
 
@@ -84,12 +83,17 @@ class RankEngine:
         started = time.perf_counter()
         if plan.epoch != self.epoch:
             self.reset(plan.epoch)
-        for slot in plan.release_slots:
-            self.slots.pop(slot, None)
         for new in plan.new_requests:
             self.slots[new.slot] = self._admit(new)
-        result = StepResult(epoch=plan.epoch, step=plan.step, rank=self.rank)
+        result = StepResult(
+            epoch=plan.epoch, step=plan.step, rank=self.rank, incarnation=plan.incarnation
+        )
         touched: list[RequestState] = []
+        for stop in plan.stops:
+            state = self.slots.get(stop.slot)
+            if state is not None and state.request_id == stop.request_id:
+                state.finish_reason = FinishReason(stop.finish_reason)
+                touched.append(state)
         for launch in plan.decode_launches:
             touched += self._decode(launch, result)
         for chunk in plan.prefill:
@@ -101,8 +105,13 @@ class RankEngine:
         result.exec_ms = (time.perf_counter() - started) * 1000
         return output
 
+    def drop(self, request_ids: set[str]) -> None:
+        """Forget requests whose result streams another writer has moved on."""
+        for slot in [s for s, st in self.slots.items() if st.request_id in request_ids]:
+            del self.slots[slot]
+
     def _admit(self, new: NewRequest) -> RequestState:
-        seed = new.sampling.seed if new.sampling.seed is not None else secrets.randbits(63)
+        resumed = new.prompt_token_ids[new.num_prompt_tokens :]
         return RequestState(
             request_id=new.request_id,
             slot=new.slot,
@@ -110,11 +119,11 @@ class RankEngine:
             num_prompt_tokens=new.num_prompt_tokens,
             num_context_tokens=len(new.prompt_token_ids),
             sampling=new.sampling,
-            seed=seed,
+            seed=new.sampling.seed if new.sampling.seed is not None else _seed_of(new.request_id),
             next_index=new.start_index,
             next_seq=new.start_seq,
             result_ttl_s=new.result_ttl_s,
-            decoder=DecodeStream(skip_special_tokens=True),
+            decoder=DecodeStream(ids=resumed, skip_special_tokens=True),
         )
 
     def _decode(self, slots: list[int], result: StepResult) -> list[RequestState]:
@@ -186,27 +195,25 @@ class RankEngine:
             state.finish_reason = FinishReason.LENGTH
 
     def _collect(self, touched: list[RequestState], result: StepResult) -> StepOutput:
-        chunks: list[ResultChunk] = []
-        expiring: dict[str, int] = {}
+        chunks: list[tuple[ResultChunk, int]] = []
         for state in touched:
             first_index = state.next_index - len(state.pending_ids)
             final = state.finish_reason is not None
-            chunks.append(
-                ResultChunk(
-                    id=state.request_id,
-                    seq=state.next_seq,
-                    index=first_index,
-                    token_ids=state.pending_ids,
-                    text="".join(state.pending_text),
-                    finish_reason=state.finish_reason,
-                    usage=Usage(
-                        prompt_tokens=state.num_prompt_tokens,
-                        completion_tokens=state.num_completion_tokens,
-                    )
-                    if final
-                    else None,
+            chunk = ResultChunk(
+                id=state.request_id,
+                seq=state.next_seq,
+                index=first_index,
+                token_ids=state.pending_ids,
+                text="".join(state.pending_text),
+                finish_reason=state.finish_reason,
+                usage=Usage(
+                    prompt_tokens=state.num_prompt_tokens,
+                    completion_tokens=state.num_completion_tokens,
                 )
+                if final
+                else None,
             )
+            chunks.append((chunk, state.result_ttl_s))
             result.outcomes.append(
                 RequestOutcome(
                     request_id=state.request_id,
@@ -217,6 +224,10 @@ class RankEngine:
             state.next_seq += 1
             state.pending_ids, state.pending_text = [], []
             if final:
-                expiring[state.request_id] = state.result_ttl_s
                 self.slots.pop(state.slot, None)
-        return StepOutput(chunks, expiring, result)
+        return StepOutput(chunks, result)
+
+
+def _seed_of(request_id: str) -> int:
+    """An unseeded request's seed, derived from its id so a resumed run draws the same."""
+    return int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest()) >> 1

@@ -1,4 +1,9 @@
-"""One worker rank: loads the model, registers, then runs step plans and publishes tokens."""
+"""One worker rank: loads the model, registers, then runs step plans and publishes tokens.
+
+Each process registers under a fresh incarnation id and executes only plans addressed to
+it. If the batcher declares it lost (it was hung, or lost Redis mid-step), it drops every
+request and registers anew; the conditional append keeps a stale step from writing.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import socket
 import sys
 import threading
 import time
+import uuid
 
 import redis
 import torch
@@ -25,8 +31,10 @@ from schemas.config import Settings, add_settings_flags, settings_from_args
 from schemas.connection import connect, last_entry_id, stream_entries
 from schemas.control import RankStepPlan
 from schemas.keys import FIELD, Keys
+from schemas.results import APPENDED, ResultWriter
 
 log = logging.getLogger("npu_pool.worker")
+REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 
 
 class Worker:
@@ -39,8 +47,12 @@ class Worker:
         self.rank = rank
         self.keys = Keys(settings.namespace)
         self.rank_key = self.keys.rank(settings.pool, rank)
+        self.plan_key = self.keys.plan(settings.pool, rank)
         self.redis = connect(settings.redis_url)
+        self.writer = ResultWriter(self.redis, self.keys)
         self.stop_event = threading.Event()
+        self.fenced = threading.Event()
+        self.incarnation = ""
         self.engine: RankEngine | None = None
         self.plan_cursor = b"0-0"
 
@@ -51,17 +63,34 @@ class Worker:
             self._register("loading")
             heartbeat.start()
             self.engine = self._load()
-            plan_key = self.keys.plan(self.settings.pool, self.rank)
-            self.plan_cursor = last_entry_id(self.redis, plan_key)
-            self._register("ready")
-            log.info("rank %d ready on %s", self.rank, self.engine.runner.device)
+            self._go_live()
             while not self.stop_event.is_set():
-                self._serve_once()
+                try:
+                    if self.fenced.is_set():
+                        log.warning("rank %d was declared lost; starting afresh", self.rank)
+                        self._go_live()
+                    self._serve_once(self.engine)
+                except REDIS_ERRORS as exc:
+                    log.warning("Redis unavailable (%s); retrying", exc)
+                    time.sleep(0.5)
+                    self.fenced.set()  # a step may be half published: start afresh
         finally:
             self.stop_event.set()
             with contextlib.suppress(redis.RedisError):
                 self.redis.hset(self.rank_key, "state", "stopped")
             self.redis.close()
+
+    def _go_live(self) -> None:
+        """Drop all requests, take a new incarnation, read plans from now on."""
+        assert self.engine is not None
+        self.engine.reset(-1)
+        self.fenced.clear()
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.plan_cursor = last_entry_id(self.redis, self.plan_key)
+        self._register("ready")
+        log.info(
+            "rank %d ready on %s as %s", self.rank, self.engine.runner.device, self.incarnation
+        )
 
     def _load(self) -> RankEngine:
         settings = self.settings
@@ -100,11 +129,8 @@ class Worker:
             rank=self.rank,
         )
 
-    def _serve_once(self) -> None:
-        key = self.keys.plan(self.settings.pool, self.rank)
-        reply = self.redis.xread({key: self.plan_cursor}, count=8, block=500)
-        if not reply:
-            return
+    def _serve_once(self, engine: RankEngine) -> None:
+        reply = self.redis.xread({self.plan_key: self.plan_cursor}, count=8, block=500)
         for entry_id, fields in stream_entries(reply):
             self.plan_cursor = entry_id
             try:
@@ -112,25 +138,31 @@ class Worker:
             except (CodecError, KeyError) as exc:
                 log.error("unreadable plan %s: %s", entry_id, exc)
                 continue
-            assert self.engine is not None
-            if plan.epoch < self.engine.epoch:
+            if plan.incarnation != self.incarnation or plan.epoch < engine.epoch:
                 continue
-            self._publish(self.engine.execute(plan))
+            self._publish(engine, engine.execute(plan))
+            if self.fenced.is_set() or self.stop_event.is_set():
+                return
 
-    def _publish(self, output: StepOutput) -> None:
-        """All of a step's chunks, stream expiries and its step result in one round trip."""
+    def _publish(self, engine: RankEngine, output: StepOutput) -> None:
+        """Append the step's chunks (one round trip), then report the step."""
         pipe = self.redis.pipeline(transaction=False)
-        for chunk in output.chunks:
-            pipe.xadd(self.keys.result(chunk.id), {FIELD: encode(chunk)})
-        for request_id, ttl_s in output.expiring.items():
-            pipe.expire(self.keys.result(request_id), ttl_s)
-        pipe.xadd(
+        for chunk, ttl_s in output.chunks:
+            self.writer.append(pipe, chunk, ttl_s)
+        replies = pipe.execute() if output.chunks else []
+        refused = {c.id for (c, _), r in zip(output.chunks, replies) if r != APPENDED}
+        if refused:
+            log.warning("result streams moved on without this rank: %s", sorted(refused))
+            engine.drop(refused)
+            for outcome in output.result.outcomes:
+                if outcome.request_id in refused:
+                    outcome.lost, outcome.finish_reason = True, None
+        self.redis.xadd(
             self.keys.step_results(self.settings.pool),
             {FIELD: encode(output.result)},
             maxlen=10_000,
             approximate=True,
         )
-        pipe.execute()
 
     def _register(self, state: str) -> None:
         self.redis.hset(
@@ -140,16 +172,23 @@ class Worker:
                 "pid": os.getpid(),
                 "host": socket.gethostname(),
                 "state": state,
+                "incarnation": self.incarnation,
                 "hb_ms": int(time.time() * 1000),
             },
         )
 
     def _heartbeat_loop(self) -> None:
+        """Beat, and notice when the batcher has declared this incarnation lost."""
         client = connect(self.settings.redis_url)
         try:
             while not self.stop_event.wait(self.settings.heartbeat_s):
                 try:
-                    client.hset(self.rank_key, "hb_ms", int(time.time() * 1000))
+                    pipe = client.pipeline(transaction=False)
+                    pipe.hset(self.rank_key, "hb_ms", int(time.time() * 1000))
+                    pipe.hmget(self.rank_key, ["state", "incarnation"])
+                    state, incarnation = pipe.execute()[1]
+                    if state == b"lost" and incarnation == self.incarnation.encode():
+                        self.fenced.set()
                 except redis.RedisError as exc:
                     log.warning("heartbeat failed: %s", exc)
         finally:

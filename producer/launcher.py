@@ -89,21 +89,31 @@ class PoolProcesses:
                 self._spawn(child)
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM every child, wait up to `timeout_s`, then SIGKILL what is left."""
-        live = [c.process for c in self.children if c.process and c.process.poll() is None]
-        for process in live:
-            process.send_signal(signal.SIGTERM)
+        """SIGTERM the batcher (it drains while the ranks still run), then the ranks."""
         deadline = time.monotonic() + timeout_s
-        for process in live:
-            try:
-                process.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        for group in (self.children[:1], self.children[1:]):
+            live = [c.process for c in group if c.process and c.process.poll() is None]
+            for process in live:
+                process.send_signal(signal.SIGTERM)
+            for process in live:
+                try:
+                    process.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
         for child in self.children:
             if child.log_file is not None:
                 child.log_file.close()
                 child.log_file = None
+
+    def kill(self, name: str) -> int:
+        """SIGKILL one child (`batcher` or `rank{R}`), as a crash would; returns its pid."""
+        child = next(c for c in self.children if c.name == name)
+        if child.process is None or child.process.poll() is not None:
+            raise RuntimeError(f"{name} is not running")
+        child.process.kill()
+        child.process.wait()
+        return child.process.pid
 
 
 def up_main(argv: list[str]) -> int:

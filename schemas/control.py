@@ -32,6 +32,14 @@ class PrefillChunk(_Control):
     num_tokens: int
 
 
+class SlotStop(_Control):
+    """End a running request now (cancel or deadline): its rank writes the final chunk."""
+
+    slot: int
+    request_id: str
+    finish_reason: str
+
+
 class RankStepPlan(_Control):
     """One rank's share of a step: new requests, decode launches, then prefill chunks.
 
@@ -42,10 +50,11 @@ class RankStepPlan(_Control):
     epoch: int
     step: int
     rank: int
+    incarnation: str = Field(default="", description="the rank process this plan is for")
     new_requests: list[NewRequest] = Field(default_factory=list)
     decode_launches: list[list[int]] = Field(default_factory=list)
     prefill: list[PrefillChunk] = Field(default_factory=list)
-    release_slots: list[int] = Field(default_factory=list)
+    stops: list[SlotStop] = Field(default_factory=list)
 
 
 class RequestOutcome(_Control):
@@ -54,6 +63,7 @@ class RequestOutcome(_Control):
     request_id: str
     num_new_tokens: int
     finish_reason: str | None = None
+    lost: bool = Field(default=False, description="its stream moved on: this rank lost it")
 
 
 class StepResult(_Control):
@@ -62,6 +72,7 @@ class StepResult(_Control):
     epoch: int
     step: int
     rank: int
+    incarnation: str = ""
     outcomes: list[RequestOutcome] = Field(default_factory=list)
     num_decode_launches: int = 0
     num_decode_rows: int = 0

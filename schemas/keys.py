@@ -25,6 +25,11 @@ class Keys:
         return f"{self.ns}:cancel"
 
     @property
+    def cancelled(self) -> str:
+        """Sorted set of cancelled request ids (score: epoch ms), for entries not yet read."""
+        return f"{self.ns}:cancelled"
+
+    @property
     def dead(self) -> str:
         """Stream of entries that could not be served, with the reason."""
         return f"{self.ns}:dead"

@@ -133,7 +133,7 @@ def test_engine_runs_only_the_declared_launch_shapes(loaded: LoadedModel) -> Non
     outputs = [engine.execute(plan) for plan in plans]
     assert shapes == {(1, SETTINGS.prefill_chunk), (SETTINGS.decode_batch, 1)}
     assert [len(o.chunks) for o in outputs] == [1, 2, 2]
-    assert outputs[2].chunks[0].finish_reason == "length"  # r0: 3 tokens, max_tokens 3
+    assert outputs[2].chunks[0][0].finish_reason == "length"  # r0: 3 tokens, max_tokens 3
     assert outputs[2].result.num_padding_rows == SETTINGS.decode_batch - 2
 
 
@@ -159,8 +159,8 @@ def test_generation_stops_at_max_model_len(loaded: LoadedModel) -> None:
         )
     )
     second = engine.execute(RankStepPlan(epoch=1, step=2, rank=0, decode_launches=[[0]]))
-    assert first.chunks[0].finish_reason is None
-    final = second.chunks[0]
+    assert first.chunks[0][0].finish_reason is None
+    final = second.chunks[0][0]
     assert final.finish_reason == "length" and final.index == 1
     assert final.usage is not None and final.usage.completion_tokens == 2
     assert engine.slots == {}

@@ -1,0 +1,83 @@
+"""Writing and reading result streams with one writer at a time (DESIGN §5, §6).
+
+Every chunk is appended by a Lua script that checks the stream's last `seq`: a chunk whose
+`seq` is not the next one, or that follows a final chunk, is refused. So a stale writer
+(a rank declared dead, a batcher from an earlier epoch) can never duplicate or interleave
+tokens, and a new writer continues exactly where the stream ends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import redis
+
+from schemas.codec import decode, encode
+from schemas.keys import FIELD, Keys
+from schemas.messages import ResultChunk
+
+APPENDED, OUT_OF_ORDER, ALREADY_FINAL = 1, 0, -1
+
+APPEND_SCRIPT = """
+local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+local expected = 0
+if #last > 0 then
+  local fields = last[1][2]
+  local seq, final = -1, '0'
+  for i = 1, #fields, 2 do
+    if fields[i] == 'seq' then seq = tonumber(fields[i + 1])
+    elseif fields[i] == 'final' then final = fields[i + 1] end
+  end
+  if final == '1' then return -1 end
+  expected = seq + 1
+end
+if tonumber(ARGV[1]) ~= expected then return 0 end
+redis.call('XADD', KEYS[1], '*', 'm', ARGV[2], 'seq', ARGV[1], 'final', ARGV[3])
+if ARGV[3] == '1' then redis.call('EXPIRE', KEYS[1], tonumber(ARGV[4])) end
+return 1
+"""
+
+
+class ResultWriter:
+    """Queues conditional chunk appends on a pipeline; `execute` says which were refused."""
+
+    def __init__(self, client: redis.Redis, keys: Keys) -> None:
+        self.keys = keys
+        self.script = client.register_script(APPEND_SCRIPT)
+
+    def append(self, pipe: redis.client.Pipeline, chunk: ResultChunk, ttl_s: int) -> None:
+        """Queue one chunk; a final chunk also sets the stream's TTL."""
+        final = "1" if chunk.is_final else "0"
+        self.script(
+            keys=[self.keys.result(chunk.id)],
+            args=[chunk.seq, encode(chunk), final, ttl_s],
+            client=pipe,
+        )
+
+
+@dataclass(slots=True)
+class Published:
+    """What a result stream already holds: the tokens, the next seq, and whether it ended."""
+
+    token_ids: list[int] = field(default_factory=list)
+    next_seq: int = 0
+    final: ResultChunk | None = None
+
+
+def read_published(client: redis.Redis, keys: Keys, request_ids: list[str]) -> dict[str, Published]:
+    """Read whole result streams (pipelined) to resume or settle requests after a failure."""
+    pipe = client.pipeline(transaction=False)
+    for request_id in request_ids:
+        pipe.xrange(keys.result(request_id))
+    found: dict[str, Published] = {}
+    for request_id, entries in zip(request_ids, pipe.execute()):
+        published = Published()
+        for _, fields in cast(list[tuple[bytes, dict[bytes, Any]]], entries):
+            chunk = decode(ResultChunk, fields[FIELD.encode()])
+            published.token_ids += chunk.token_ids
+            published.next_seq = chunk.seq + 1
+            if chunk.is_final:
+                published.final = chunk
+        found[request_id] = published
+    return found
