@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -51,29 +53,54 @@ def client(redis_url: str) -> Iterator[Client]:
         yield c
 
 
-StartPool = Callable[..., Settings]
+@dataclass
+class RunningPool:
+    """A pool started by a test: its settings and its supervised processes."""
+
+    settings: Settings
+    processes: PoolProcesses
+    supervised: bool = True
+
+
+StartPool = Callable[..., RunningPool]
 
 
 @pytest.fixture
 def start_pool(redis_url: str, tmp_path: Path) -> Iterator[StartPool]:
-    """Start a pool (batcher + ranks as processes) on the test Redis; stopped after the test."""
-    started: list[PoolProcesses] = []
+    """Start a pool (batcher + ranks as processes) on the test Redis, supervised like `up`
+    does (a dead process is restarted); everything is stopped after the test."""
+    started: list[RunningPool] = []
+    done = threading.Event()
 
-    def start(**overrides: object) -> Settings:
+    def supervise() -> None:
+        while not done.wait(0.1):
+            for pool in list(started):
+                if pool.supervised:
+                    pool.processes.supervise()
+
+    supervisor = threading.Thread(target=supervise, daemon=True)
+    supervisor.start()
+
+    def start(supervised: bool = True, wait: bool = True, **overrides: object) -> RunningPool:
         values: dict[str, object] = {"model": "tiny", "device": "cpu", "threads_per_rank": 1}
         values.update(overrides)
         settings = Settings(redis_url=redis_url, **values)
-        processes = PoolProcesses(settings, redis_url, log_dir=tmp_path / "logs")
+        logs = tmp_path / "logs" / settings.pool
+        processes = PoolProcesses(settings, redis_url, log_dir=logs)
         processes.start()
-        started.append(processes)
-        with Client(redis_url, settings.namespace) as c:
-            c.wait_ready(timeout_s=120, pool=settings.pool)
-        return settings
+        pool = RunningPool(settings, processes, supervised)
+        started.append(pool)
+        if wait:
+            with Client(redis_url, settings.namespace) as c:
+                c.wait_ready(timeout_s=120, pool=settings.pool)
+        return pool
 
     yield start
-    for processes in started:
-        processes.stop(timeout_s=15)
-    for log in sorted((tmp_path / "logs").glob("*.log")):
+    done.set()
+    supervisor.join()
+    for pool in started:
+        pool.processes.stop(timeout_s=15)
+    for log in sorted((tmp_path / "logs").glob("*/*.log")):
         text = log.read_text(errors="replace")
         if "Traceback" in text:
-            print(f"--- {log.name} ---\n{text[-4000:]}")
+            print(f"--- {log} ---\n{text[-4000:]}")
