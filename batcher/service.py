@@ -248,6 +248,8 @@ class Batcher:
 
     def _housekeeping(self) -> None:
         self._poll_ranks()
+        day_ago_ms = int(time.time() * 1000) - 86_400_000
+        self.redis.zremrangebyscore(self.keys.cancelled, 0, day_ago_ms)
         keep_alive(
             self.redis,
             self.keys,

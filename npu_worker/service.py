@@ -67,7 +67,9 @@ class Worker:
             while not self.stop_event.is_set():
                 try:
                     if self.fenced.is_set():
-                        log.warning("rank %d was declared lost; starting afresh", self.rank)
+                        log.warning(
+                            "rank %d lost by the batcher or by Redis; starting afresh", self.rank
+                        )
                         self._go_live()
                     self._serve_once(self.engine)
                 except REDIS_ERRORS as exc:

@@ -61,6 +61,24 @@ def submit_main(argv: list[str]) -> int:
     return 0 if completion.error is None else 1
 
 
+def cancel_main(argv: list[str]) -> int:
+    """Cancel requests: queued ones end at once, running ones by the next step."""
+    parser = argparse.ArgumentParser(prog="npu-pool cancel", description=cancel_main.__doc__)
+    parser.add_argument("request_ids", nargs="+", metavar="ID")
+    parser.add_argument("--redis-url", default=None)
+    parser.add_argument("--namespace", default=None)
+    args = parser.parse_args(argv)
+    try:
+        client = Client(args.redis_url, args.namespace)
+    except ConnectionError as exc:
+        print(f"npu-pool cancel: {exc}", file=sys.stderr)
+        return 1
+    for request_id in args.request_ids:
+        client.cancel(request_id)
+        print(f"cancel requested: {request_id}")
+    return 0
+
+
 def status_main(argv: list[str]) -> int:
     """Show pools, ranks (pid, host, device, state) and the queue."""
     parser = argparse.ArgumentParser(prog="npu-pool status", description=status_main.__doc__)

@@ -86,7 +86,10 @@ class Client:
 
     def cancel(self, request_id: str) -> None:
         """Ask the pool to stop a request; its stream ends with `cancelled`."""
-        self.redis.xadd(self.keys.cancel, {"id": request_id}, maxlen=100_000, approximate=True)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zadd(self.keys.cancelled, {request_id: int(time.time() * 1000)})
+        pipe.xadd(self.keys.cancel, {"id": request_id}, maxlen=100_000, approximate=True)
+        pipe.execute()
 
     def wait_ready(self, timeout_s: float = 60.0, pool: str | None = None) -> str:
         """Block until a pool (or the named one) has all ranks ready; returns its name."""
@@ -172,9 +175,10 @@ class AsyncClient:
 
     async def cancel(self, request_id: str) -> None:
         """Ask the pool to stop a request; its stream ends with `cancelled`."""
-        await self.redis.xadd(
-            self.keys.cancel, {"id": request_id}, maxlen=100_000, approximate=True
-        )
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zadd(self.keys.cancelled, {request_id: int(time.time() * 1000)})
+        pipe.xadd(self.keys.cancel, {"id": request_id}, maxlen=100_000, approximate=True)
+        await pipe.execute()
 
     async def wait_ready(self, timeout_s: float = 60.0, pool: str | None = None) -> str:
         """Wait until a pool (or the named one) has all ranks ready; returns its name."""

@@ -50,11 +50,11 @@ class EmbeddedRedis:
         auth = f":{self.password}@" if self.password else ""
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
-    def start(self, timeout_s: float = 15.0) -> str:
-        """Start the server and wait until it answers PING; returns its URL."""
+    def start(self, timeout_s: float = 15.0, port: int | None = None) -> str:
+        """Start the server (on `port`, else a free one) once it answers PING; its URL."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
         for _ in range(5):
-            self.port = _free_port()
+            self.port = port or _free_port()
             args = [
                 find_redis_server(),
                 "--port",

@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "batcher": ("batcher.service", "main", "run one pool's batcher"),
     "worker": ("npu_worker.service", "main", "run one worker rank"),
     "submit": ("producer.cli", "submit_main", "submit a request and print or stream its result"),
+    "cancel": ("producer.cli", "cancel_main", "cancel requests by id"),
     "status": ("producer.cli", "status_main", "show pools, ranks and the queue"),
 }
 

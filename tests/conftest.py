@@ -81,17 +81,20 @@ def start_pool(redis_url: str, tmp_path: Path) -> Iterator[StartPool]:
     supervisor = threading.Thread(target=supervise, daemon=True)
     supervisor.start()
 
-    def start(supervised: bool = True, wait: bool = True, **overrides: object) -> RunningPool:
+    def start(
+        supervised: bool = True, wait: bool = True, url: str | None = None, **overrides: object
+    ) -> RunningPool:
         values: dict[str, object] = {"model": "tiny", "device": "cpu", "threads_per_rank": 1}
         values.update(overrides)
-        settings = Settings(redis_url=redis_url, **values)
+        url = url or redis_url
+        settings = Settings(redis_url=url, **values)
         logs = tmp_path / "logs" / settings.pool
-        processes = PoolProcesses(settings, redis_url, log_dir=logs)
+        processes = PoolProcesses(settings, url, log_dir=logs)
         processes.start()
         pool = RunningPool(settings, processes, supervised)
         started.append(pool)
         if wait:
-            with Client(redis_url, settings.namespace) as c:
+            with Client(url, settings.namespace) as c:
                 c.wait_ready(timeout_s=120, pool=settings.pool)
         return pool
 

@@ -75,8 +75,10 @@ def test_killing_a_worker_then_the_batcher_mid_decode_changes_no_token(
         assert problem is None, f"{request_id}: {problem}"
     restarts = {c.name: c.restarts for c in pool.processes.children}
     assert restarts["rank1"] >= 1 and restarts["batcher"] >= 1
-    wait_until(lambda: int(redis_client.hget(KEYS.pool("default"), "recovered") or 0) > 0,
-               what="the restarted batcher to report the requests it resumed")
+    wait_until(
+        lambda: int(redis_client.hget(KEYS.pool("default"), "recovered") or 0) > 0,
+        what="the restarted batcher to report the requests it resumed",
+    )
     wait_until(lambda: redis_client.xlen(KEYS.requests) == 0, what="every entry deleted")
     assert redis_client.xlen(KEYS.dead) == 0
 

@@ -1,0 +1,140 @@
+"""Cancels, deadlines, drain on SIGTERM, a Redis restart, and authenticated Redis: each ends
+every request exactly once and loses nothing (DESIGN §7)."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+import redis
+
+from producer.client import Client
+from producer.embedded import EmbeddedRedis
+from schemas.keys import Keys
+from schemas.messages import FinishReason
+from tests.helpers import check_stream, wait_until
+
+KEYS = Keys()
+LONG = {"max_tokens": 400, "ignore_eos": True}
+
+
+def finals(redis_client, request_ids: list[str]) -> int:
+    done = 0
+    for request_id in request_ids:
+        last = redis_client.xrevrange(KEYS.result(request_id), count=1)
+        done += bool(last) and last[0][1].get(b"final") == b"1"
+    return done
+
+
+def test_cancel_ends_running_queued_and_unread_requests_once(
+    start_pool, client: Client, redis_client
+) -> None:
+    client.submit(prompt_token_ids=[3, 4], request_id="early", **LONG)
+    client.cancel("early")  # cancelled before any pool has read it
+    start_pool(ranks=1, max_num_seqs=1, max_model_len=512)
+    client.submit(prompt_token_ids=[5, 6], request_id="running", **LONG)
+    client.submit(prompt_token_ids=[7, 8], request_id="queued", **LONG)
+    wait_until(lambda: redis_client.xlen(KEYS.result("running")) >= 3, what="running to run")
+    client.cancel("queued")
+    client.cancel("running")
+
+    for request_id, some_tokens in (("early", False), ("queued", False), ("running", True)):
+        chunks = list(client.stream(request_id, timeout_s=60))
+        tokens = check_stream(chunks)
+        final = chunks[-1]
+        assert final.finish_reason == FinishReason.CANCELLED, request_id
+        assert final.usage is not None and final.usage.completion_tokens == len(tokens)
+        assert (0 < len(tokens) < 400) if some_tokens else tokens == []
+    after = client.generate(prompt="the slot is free again", max_tokens=4, timeout_s=60)
+    assert after.finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
+    wait_until(lambda: redis_client.xlen(KEYS.requests) == 0, what="every entry deleted")
+
+
+def test_deadlines_end_queued_and_running_requests_with_timeout(
+    start_pool, client: Client, redis_client
+) -> None:
+    start_pool(ranks=1, max_model_len=512)
+    now_ms = int(time.time() * 1000)
+    client.submit(prompt_token_ids=[3], request_id="late", deadline_ms=now_ms - 1, **LONG)
+    others = [client.submit(prompt_token_ids=[4 + i], **LONG) for i in range(7)]
+    client.submit(
+        prompt_token_ids=[12], request_id="soon", deadline_ms=int(time.time() * 1000) + 400, **LONG
+    )
+
+    late = list(client.stream("late", timeout_s=60))
+    assert check_stream(late) == [] and late[-1].finish_reason == FinishReason.TIMEOUT
+    soon = list(client.stream("soon", timeout_s=60))
+    assert len(check_stream(soon)) < 400 and soon[-1].finish_reason == FinishReason.TIMEOUT
+    for request_id in others:
+        assert len(check_stream(list(client.stream(request_id, timeout_s=120)))) == 400
+    wait_until(lambda: redis_client.xlen(KEYS.requests) == 0, what="every entry deleted")
+
+
+def test_sigterm_drains_running_requests_and_leaves_the_rest_for_the_next_batcher(
+    start_pool, client: Client, redis_client
+) -> None:
+    pool = start_pool(ranks=1, max_num_seqs=3, max_model_len=512, supervised=False)
+    ids = [
+        client.submit(prompt_token_ids=[5, i + 2], max_tokens=200, ignore_eos=True)
+        for i in range(9)
+    ]
+    wait_until(lambda: redis_client.xlen(KEYS.result(ids[0])) >= 2, what="decode to start")
+    batcher = pool.processes.children[0]
+    assert batcher.process is not None
+    batcher.process.send_signal(signal.SIGTERM)
+    assert batcher.process.wait(timeout=60) == 0
+    done = finals(redis_client, ids)
+    assert 3 <= done < 9
+    assert redis_client.xlen(KEYS.requests) == 9 - done  # the rest is still queued, not lost
+
+    pool.processes.supervise()  # a batcher comes back and serves what was left
+    time.sleep(0.6)
+    pool.processes.supervise()
+    for request_id in ids:
+        assert len(check_stream(list(client.stream(request_id, timeout_s=120)))) == 200
+    wait_until(lambda: redis_client.xlen(KEYS.requests) == 0, what="every entry deleted")
+
+
+def test_a_redis_restart_loses_no_accepted_request(start_pool, tmp_path) -> None:
+    server = EmbeddedRedis(data_dir=tmp_path / "restarting-redis")
+    url = server.start()
+    try:
+        start_pool(url=url, ranks=2, rank_timeout_s=3, max_model_len=512)
+        with Client(url) as client:
+            ids = [
+                client.submit(prompt_token_ids=[9, i + 2], max_tokens=300, ignore_eos=True)
+                for i in range(16)
+            ]
+            wait_until(lambda: client.redis.xlen(KEYS.result(ids[0])) >= 5, what="decode")
+            port = server.port
+            server.stop()
+            time.sleep(1.0)
+            server.start(port=port)
+            for request_id in ids:
+                tokens = check_stream(list(client.stream(request_id, timeout_s=180)))
+                assert len(tokens) == 300
+            wait_until(lambda: client.redis.xlen(KEYS.requests) == 0, what="entries deleted")
+    finally:
+        server.stop()
+
+
+def test_pool_serves_through_an_acl_user_with_a_password(start_pool, tmp_path) -> None:
+    with EmbeddedRedis(data_dir=tmp_path / "acl-redis", password="admin-secret") as server:
+        admin = redis.Redis.from_url(server.url)
+        admin.acl_setuser(
+            "pool",
+            enabled=True,
+            passwords=["+pool-secret"],
+            keys=["*"],
+            channels=["*"],
+            commands=["+@all"],
+        )
+        url = f"redis://pool:pool-secret@127.0.0.1:{server.port}/0"
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis.from_url(f"redis://pool:wrong@127.0.0.1:{server.port}/0").ping()
+        start_pool(url=url, ranks=1)
+        with Client(url) as client:
+            done = client.generate(prompt="authenticated", max_tokens=5, timeout_s=60)
+        assert done.usage is not None and done.usage.completion_tokens == len(done.token_ids)
+        admin.close()
