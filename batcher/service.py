@@ -22,6 +22,7 @@ from typing import Any, cast
 import redis
 from tokenizers import Tokenizer
 
+from batcher.book import RequestBook
 from batcher.dispatch import rank_plans
 from batcher.durability import (
     Delivery,
@@ -32,32 +33,22 @@ from batcher.durability import (
 )
 from batcher.intake import (
     ModelFacts,
-    Tracked,
-    end_by_batcher,
-    make_sequence,
-    parse_entry,
-    reject,
-    settle,
-    write_dead_letter,
 )
 from batcher.ranks import RankRegistry
 from batcher.scheduler import (
     PlannerConfig,
     PoolState,
     StepPlan,
-    finish,
     join_rank,
     lose_rank,
     plan_step,
-    stop,
 )
-from schemas.codec import CodecError, DeadLetter, Rejected, decode, encode
+from schemas.codec import CodecError, decode, encode
 from schemas.config import Settings, add_settings_flags, settings_from_args
 from schemas.connection import connect, last_entry_id, stream_entries
-from schemas.control import RankStepPlan, SlotStop, StepResult
+from schemas.control import RankStepPlan, StepResult
 from schemas.keys import FIELD, GROUP, Keys
 from schemas.messages import FinishReason
-from schemas.results import ResultWriter, read_published
 
 log = logging.getLogger("npu_pool.batcher")
 REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
@@ -71,7 +62,6 @@ class Batcher:
         self.pool = settings.pool
         self.keys = Keys(settings.namespace)
         self.redis = connect(settings.redis_url)
-        self.writer = ResultWriter(self.redis, self.keys)
         self.instance = uuid.uuid4().hex[:12]
         self.lease_ms = int(settings.rank_timeout_s * 1000)
         self.stopping = False
@@ -84,7 +74,6 @@ class Batcher:
             "recovered": 0,
             "claimed": 0,
         }
-        self.tokenizer: Tokenizer | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -102,12 +91,10 @@ class Batcher:
             live_ranks=set(),
         )
         self.registry = RankRegistry(self.redis, self.keys, self.pool, s.ranks, s.rank_timeout_s)
-        self.tracked: dict[str, Tracked] = {}
+        self.book = RequestBook(self.redis, self.keys, s, self.state, self.stats)
         self.inflight: dict[int, set[int]] = {}
-        self.pending_stops: dict[int, list[SlotStop]] = {}
         self.epoch = 0
         self.step = 0
-        self.order = 0
         self.last_housekeeping = 0.0
 
     # -- the loop -------------------------------------------------------------------------
@@ -151,13 +138,13 @@ class Batcher:
         if now - self.last_housekeeping >= self.settings.heartbeat_s:
             self.last_housekeeping = now
             self._housekeeping()
-        self._expire_deadlines()
+        self.book.expire_deadlines()
         busy = bool(self.inflight or self.state.running)
         if not self.stopping:
             self._intake(block_ms=0 if busy else 100)
         while len(self.inflight) < self.settings.max_inflight_steps:
             plan = plan_step(self.state)
-            if plan.is_empty and not self.pending_stops:
+            if plan.is_empty and not self.book.pending_stops:
                 break
             self._dispatch(plan)
         if self.inflight:
@@ -201,7 +188,7 @@ class Batcher:
             self._collect(block_ms=200)
             self._poll_ranks()
         deliveries = claim_own_pending(self.redis, self.keys, self.pool)
-        self._accept(deliveries, resume=True)
+        self.book.accept(deliveries, resume=True)
         self.stats["recovered"] += len(deliveries)
         self._set_state("ready")
         log.info(
@@ -228,20 +215,20 @@ class Batcher:
         raw = self.redis.get(self.keys.tokenizer(self.pool))
         if raw is None:
             return False
-        self.tokenizer = Tokenizer.from_str(cast(bytes, raw).decode())
-        self.facts = ModelFacts(self.registry.vocab_size, self.settings.max_model_len)
+        self.book.tokenizer = Tokenizer.from_str(cast(bytes, raw).decode())
+        self.book.facts = ModelFacts(self.registry.vocab_size, self.settings.max_model_len)
         return True
 
     def _poll_ranks(self) -> None:
         changes = self.registry.poll()
         for rank in changes.lost:
             log.warning("rank %d lost; moving its requests", rank)
-            self.pending_stops.pop(rank, None)
+            self.book.pending_stops.pop(rank, None)
             for waiting in self.inflight.values():
                 waiting.discard(rank)
             self.inflight = {s: w for s, w in self.inflight.items() if w}
             lost = lose_rank(self.state, rank)
-            self._requeue([self.tracked[s.request_id] for s in lost])
+            self.book.requeue([self.book.tracked[s.request_id] for s in lost])
         for rank in changes.joined:
             log.info("rank %d joined (%s)", rank, self.registry.incarnation(rank))
             join_rank(self.state, rank)
@@ -256,7 +243,7 @@ class Batcher:
             self.pool,
             self.instance,
             self.lease_ms,
-            [t.entry_id for t in self.tracked.values()],
+            [t.entry_id for t in self.book.tracked.values()],
         )
         room = self.state.room() - len(self.state.waiting)
         if room > 0 and not self.stopping and orphaned_pools(self.redis, self.keys, self.pool):
@@ -264,7 +251,7 @@ class Batcher:
             if claimed:
                 log.info("claimed %d requests of pools that are gone", len(claimed))
                 self.stats["claimed"] += len(claimed)
-                self._accept(claimed, resume=True)
+                self.book.accept(claimed, resume=True)
         fields: dict[str, int] = {
             "hb_ms": int(time.time() * 1000),
             "running": len(self.state.running),
@@ -290,142 +277,18 @@ class Batcher:
         )
         entries = stream_entries(reply)
         if entries:
-            self._accept([Delivery(i, f, 1) for i, f in entries], resume=False)
-
-    def _accept(self, deliveries: list[Delivery], resume: bool) -> None:
-        """Validate entries, settle or end the ones that need no rank, track the rest."""
-        assert self.tokenizer is not None
-        pipe = self.redis.pipeline(transaction=False)
-        fresh: list[Tracked] = []
-        for d in deliveries:
-            if d.fields is None:  # deleted since it was read: already settled
-                settle(pipe, self.keys, d.entry_id)
-                continue
-            if d.times_delivered > self.settings.max_deliveries:
-                write_dead_letter(
-                    pipe,
-                    self.keys,
-                    d.entry_id,
-                    d.fields,
-                    f"delivered {d.times_delivered} times without finishing",
-                )
-                self.stats["dead"] += 1
-                continue
-            try:
-                request, prompt_ids = parse_entry(
-                    d.fields.get(FIELD.encode()),
-                    self.tokenizer,
-                    self.facts,
-                    self.settings.max_request_bytes,
-                )
-            except DeadLetter as exc:
-                write_dead_letter(pipe, self.keys, d.entry_id, d.fields, str(exc))
-                self.stats["dead"] += 1
-                log.warning("dead letter %s: %s", d.entry_id, exc)
-                continue
-            except Rejected as exc:
-                reject(pipe, self.writer, self.keys, d.entry_id, exc, self.settings.result_ttl_s)
-                self.stats["rejected"] += 1
-                continue
-            if request.id in self.tracked:
-                write_dead_letter(
-                    pipe,
-                    self.keys,
-                    d.entry_id,
-                    d.fields,
-                    f"field `id`: {request.id!r} duplicates a request in progress",
-                )
-                self.stats["dead"] += 1
-                continue
-            self.order += 1
-            tracked = Tracked(d.entry_id, request, prompt_ids)
-            self.tracked[request.id] = tracked
-            fresh.append(tracked)
-        pipe.execute()
-        self._enqueue(fresh, resume)
-
-    def _requeue(self, lost: list[Tracked]) -> None:
-        """Requests whose rank was lost (or lost them) re-enter after what they published."""
-        self.stats["recovered"] += len(lost)
-        self._enqueue(lost, resume=True)
-
-    def _enqueue(self, requests: list[Tracked], resume: bool) -> None:
-        """Put tracked requests in the waiting queue, or end them now if nothing is left."""
-        if not requests:
-            return
-        ids = [t.request_id for t in requests]
-        published = read_published(self.redis, self.keys, ids) if resume else {}
-        cancelled = self.redis.zmscore(self.keys.cancelled, ids)
-        now_ms = time.time() * 1000
-        pipe = self.redis.pipeline(transaction=False)
-        for tracked, cancel_score in zip(requests, cancelled):
-            found = published.get(tracked.request_id)
-            if found is not None:
-                if found.final is not None:
-                    self._forget(tracked, pipe)
-                    continue
-                tracked.resumed_ids, tracked.start_seq = found.token_ids, found.next_seq
-            deadline = tracked.request.deadline_ms
-            if cancel_score is not None and tracked.stop_reason is None:
-                tracked.stop_reason = FinishReason.CANCELLED
-            elif deadline is not None and deadline <= now_ms and tracked.stop_reason is None:
-                tracked.stop_reason = FinishReason.TIMEOUT
-            order = tracked.seq.order if tracked.seq is not None else self.order
-            tracked.seq = make_sequence(tracked, order, self.settings.max_model_len)
-            reason = tracked.stop_reason
-            if reason is None and tracked.seq.max_new_tokens <= 0:
-                reason = FinishReason.LENGTH
-            if reason is not None:
-                end_by_batcher(pipe, self.writer, tracked, reason, self.settings.result_ttl_s)
-                self._forget(tracked, pipe)
-                continue
-            self.state.waiting.append(tracked.seq)
-        pipe.execute()
-
-    def _forget(self, tracked: Tracked, pipe: redis.client.Pipeline) -> None:
-        finish(self.state, tracked.request_id)
-        self.tracked.pop(tracked.request_id, None)
-        settle(pipe, self.keys, tracked.entry_id)
-        self.stats["finished"] += 1
-
-    # -- cancels and deadlines ------------------------------------------------------------
-
-    def _stop(self, request_id: str, reason: FinishReason) -> None:
-        tracked = self.tracked.get(request_id)
-        if tracked is None or tracked.stop_reason is not None:
-            return
-        tracked.stop_reason = reason
-        seq = stop(self.state, request_id)
-        if seq is not None:
-            self.pending_stops.setdefault(seq.rank, []).append(
-                SlotStop(slot=seq.slot, request_id=request_id, finish_reason=reason.value)
-            )
-            return
-        pipe = self.redis.pipeline(transaction=False)
-        end_by_batcher(pipe, self.writer, tracked, reason, self.settings.result_ttl_s)
-        self._forget(tracked, pipe)
-        pipe.execute()
-
-    def _expire_deadlines(self) -> None:
-        now_ms = time.time() * 1000
-        late = [
-            t.request_id
-            for t in self.tracked.values()
-            if t.request.deadline_ms is not None and t.request.deadline_ms <= now_ms
-        ]
-        for request_id in late:
-            self._stop(request_id, FinishReason.TIMEOUT)
+            self.book.accept([Delivery(i, f, 1) for i, f in entries], resume=False)
 
     # -- steps ----------------------------------------------------------------------------
 
     def _dispatch(self, plan: StepPlan) -> None:
         """Send each live rank its share of the step in one pipelined round trip."""
         self.step += 1
-        plans = rank_plans(plan, self.tracked, self.epoch, self.step, self.settings)
+        plans = rank_plans(plan, self.book.tracked, self.epoch, self.step, self.settings)
         by_rank = {p.rank: p for p in plans}
         fence = plan.is_empty and not plan.admitted
         for rank in sorted(self.state.ranks):
-            stops = self.pending_stops.pop(rank, [])
+            stops = self.book.pending_stops.pop(rank, [])
             if rank in by_rank or stops or fence:
                 rank_plan = by_rank.setdefault(
                     rank, RankStepPlan(epoch=self.epoch, step=self.step, rank=rank)
@@ -458,7 +321,7 @@ class Batcher:
             for entry_id, fields in entries:
                 if is_cancel:
                     self.cancel_cursor = entry_id
-                    self._stop(fields.get(b"id", b"").decode(), FinishReason.CANCELLED)
+                    self.book.stop(fields.get(b"id", b"").decode(), FinishReason.CANCELLED)
                     continue
                 self.results_cursor = entry_id
                 try:
@@ -473,24 +336,12 @@ class Batcher:
         pipe.execute()
 
     def _apply(self, result: StepResult, pipe: redis.client.Pipeline) -> None:
-        lost: list[Tracked] = []
-        for outcome in result.outcomes:
-            tracked = self.tracked.get(outcome.request_id)
-            if tracked is None or tracked.seq is None or tracked.seq.rank != result.rank:
-                continue
-            tracked.num_published += outcome.num_new_tokens
-            self.stats["tokens"] += outcome.num_new_tokens
-            if outcome.lost:
-                finish(self.state, outcome.request_id)
-                lost.append(tracked)
-            elif outcome.finish_reason is not None:
-                self._forget(tracked, pipe)
+        self.book.apply(result, pipe)
         waiting = self.inflight.get(result.step)
         if waiting is not None:
             waiting.discard(result.rank)
             if not waiting:
                 del self.inflight[result.step]
-        self._requeue(lost)
 
 
 def main(argv: list[str]) -> int:

@@ -8,6 +8,7 @@ import shutil
 import socket
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import redis
@@ -35,19 +36,40 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-class EmbeddedRedis:
-    """Starts `redis-server` with AOF on, bound to 127.0.0.1, data under `data_dir`."""
+@dataclass(frozen=True, slots=True)
+class TlsFiles:
+    """A server certificate and key (PEM); the certificate also serves as the client's CA."""
 
-    def __init__(self, data_dir: Path | None = None, password: str | None = None) -> None:
+    cert: Path
+    key: Path
+
+
+class EmbeddedRedis:
+    """Starts `redis-server` with AOF on, bound to 127.0.0.1, data under `data_dir`.
+
+    With `tls`, the server speaks only TLS and `url` is a rediss:// URL that verifies it.
+    """
+
+    def __init__(
+        self,
+        data_dir: Path | None = None,
+        password: str | None = None,
+        tls: TlsFiles | None = None,
+        binary: str | None = None,
+    ) -> None:
         self.data_dir = data_dir or cache_dir() / "redis"
         self.password = password
+        self.tls = tls
+        self.binary = binary
         self.process: subprocess.Popen[bytes] | None = None
         self.port = 0
 
     @property
     def url(self) -> str:
-        """redis:// URL of the running server."""
+        """redis:// (or rediss://) URL of the running server."""
         auth = f":{self.password}@" if self.password else ""
+        if self.tls:
+            return f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_ca_certs={self.tls.cert}"
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self, timeout_s: float = 15.0, port: int | None = None) -> str:
@@ -55,10 +77,25 @@ class EmbeddedRedis:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         for _ in range(5):
             self.port = port or _free_port()
+            listen = ["--port", str(self.port)]
+            if self.tls:
+                listen = [
+                    "--port",
+                    "0",
+                    "--tls-port",
+                    str(self.port),
+                    "--tls-cert-file",
+                    str(self.tls.cert),
+                    "--tls-key-file",
+                    str(self.tls.key),
+                    "--tls-ca-cert-file",
+                    str(self.tls.cert),
+                    "--tls-auth-clients",
+                    "no",
+                ]
             args = [
-                find_redis_server(),
-                "--port",
-                str(self.port),
+                self.binary or find_redis_server(),
+                *listen,
                 "--bind",
                 "127.0.0.1",
                 "--dir",

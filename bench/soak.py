@@ -1,0 +1,145 @@
+"""Soak: thousands of requests with random cancels and a worker kill every minute.
+
+Reports requests submitted, completed, cancelled, lost (must be 0) and duplicated tokens
+(must be 0), after checking every result stream's chunks. Not part of CI:
+
+    python bench/soak.py --requests 3000 --kill-every 60 --json bench/out/soak.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from producer.client import Client
+from producer.embedded import EmbeddedRedis
+from producer.launcher import PoolProcesses
+from schemas.codec import decode
+from schemas.config import Settings
+from schemas.keys import Keys
+from schemas.messages import ResultChunk
+
+
+def audit(client: Client, request_ids: list[str]) -> dict[str, int]:
+    """Count outcomes and stream faults over every result stream."""
+    counts = {
+        "completed": 0,
+        "cancelled": 0,
+        "lost": 0,
+        "duplicated_tokens": 0,
+        "gaps": 0,
+        "extra_finals": 0,
+        "other_endings": 0,
+    }
+    keys = Keys()
+    for request_id in request_ids:
+        entries = client.redis.xrange(keys.result(request_id))
+        chunks = [decode(ResultChunk, fields[b"m"]) for _, fields in entries]
+        finals = [c for c in chunks if c.is_final]
+        expected_index = 0
+        for chunk in chunks:
+            if chunk.index < expected_index:
+                counts["duplicated_tokens"] += expected_index - chunk.index
+            elif chunk.index > expected_index:
+                counts["gaps"] += 1
+            expected_index = max(expected_index, chunk.index + len(chunk.token_ids))
+        if not finals:
+            counts["lost"] += 1
+            continue
+        counts["extra_finals"] += len(finals) - 1
+        reason = finals[0].finish_reason
+        key = {"stop": "completed", "length": "completed", "cancelled": "cancelled"}
+        counts[key.get(str(reason), "other_endings")] += 1
+    return counts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--requests", type=int, default=3000)
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--concurrency", type=int, default=128)
+    parser.add_argument("--cancel-rate", type=float, default=0.1)
+    parser.add_argument("--kill-every", type=float, default=60.0, help="seconds between kills")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    rng = random.Random(args.seed)
+    workdir = Path(tempfile.mkdtemp(prefix="npupool-soak-"))
+    server = EmbeddedRedis(data_dir=workdir / "redis")
+    url = server.start()
+    settings = Settings(
+        redis_url=url,
+        ranks=args.ranks,
+        max_num_seqs=64,
+        kv_slots_per_rank=32,
+        max_model_len=512,
+        rank_timeout_s=3,
+    )
+    processes = PoolProcesses(settings, url, log_dir=workdir / "logs")
+    processes.start()
+    stop = threading.Event()
+    kills: list[str] = []
+
+    def supervise_and_kill() -> None:
+        last_kill = time.monotonic()
+        while not stop.wait(0.1):
+            processes.supervise()
+            if time.monotonic() - last_kill >= args.kill_every:
+                victim = f"rank{rng.randrange(args.ranks)}"
+                try:
+                    processes.kill(victim)
+                    kills.append(victim)
+                except RuntimeError:
+                    pass
+                last_kill = time.monotonic()
+
+    threading.Thread(target=supervise_and_kill, daemon=True).start()
+    client = Client(url)
+    client.wait_ready(timeout_s=300)
+    started = time.monotonic()
+    ids: list[str] = []
+    cancels = 0
+    keys = Keys()
+    try:
+        while len(ids) < args.requests:
+            if client.redis.xlen(keys.requests) >= args.concurrency:
+                time.sleep(0.01)
+                continue
+            length = rng.randrange(1, 300)
+            ids.append(
+                client.submit(
+                    prompt_token_ids=[rng.randrange(2, 500) for _ in range(length)],
+                    max_tokens=rng.randrange(8, 96),
+                )
+            )
+            if rng.random() < args.cancel_rate:
+                client.cancel(rng.choice(ids[-50:]))
+                cancels += 1
+        deadline = time.monotonic() + 600
+        while client.redis.xlen(keys.requests) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        elapsed = time.monotonic() - started
+        report = {
+            "submitted": len(ids),
+            "cancels_sent": cancels,
+            "worker_kills": len(kills),
+            "seconds": round(elapsed, 1),
+            **audit(client, ids),
+        }
+    finally:
+        stop.set()
+        processes.stop(timeout_s=30)
+        server.stop()
+    print(json.dumps(report, indent=2))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
