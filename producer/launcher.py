@@ -19,6 +19,7 @@ from schemas.config import Settings, add_settings_flags, settings_from_args
 
 log = logging.getLogger("npu_pool.up")
 MAX_BACKOFF_S = 30.0
+HEALTHY_AFTER_S = 30.0
 
 
 @dataclass(slots=True)
@@ -29,6 +30,7 @@ class Child:
     args: list[str]
     process: subprocess.Popen[bytes] | None = None
     restarts: int = 0
+    started_at: float = 0.0
     next_start: float = 0.0
     log_file: IO[bytes] | None = field(default=None, repr=False)
 
@@ -60,6 +62,7 @@ class PoolProcesses:
             if child.log_file is None:
                 child.log_file = open(self.log_dir / f"{child.name}.log", "ab")  # noqa: SIM115
             output = child.log_file
+        child.started_at = time.monotonic()
         child.process = subprocess.Popen(
             child.args,
             env=self.env,
@@ -75,6 +78,8 @@ class PoolProcesses:
             if child.process is None or child.process.poll() is None:
                 continue
             if child.next_start == 0.0:
+                if now - child.started_at > HEALTHY_AFTER_S:
+                    child.restarts = 0  # it ran well: a new failure starts the backoff over
                 delay = min(MAX_BACKOFF_S, 0.5 * 2**child.restarts)
                 child.next_start = now + delay
                 log.warning(

@@ -50,7 +50,7 @@ class Settings(BaseSettings):
     max_inflight_steps: int = Field(default=2, ge=1, le=2, description="steps dispatched ahead")
     max_queue: int = Field(default=10000, ge=1, description="outstanding requests accepted")
     max_request_bytes: int = Field(default=1 << 20, ge=256, description="largest entry accepted")
-    max_deliveries: int = Field(default=3, ge=1, description="deliveries before an entry is dead")
+    max_deliveries: int = Field(default=5, ge=1, description="deliveries before an entry is dead")
     result_ttl_s: int = Field(default=3600, ge=1, description="result stream lifetime")
     drain_timeout_s: float = Field(default=30.0, ge=0.0, description="SIGTERM: time to finish")
     heartbeat_s: float = Field(default=1.0, gt=0.0, description="registry heartbeat period")

@@ -120,3 +120,16 @@ def test_producer_and_batcher_never_import_torch() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout
     assert json.loads(out.strip().replace("'", '"')) == []
+
+
+def test_producer_gets_a_clear_error_not_a_hang_when_redis_is_gone(tmp_path) -> None:
+    server = EmbeddedRedis(data_dir=tmp_path)
+    url = server.start()
+    client = Client(url)
+    request_id = client.submit("hello", max_tokens=2)
+    server.stop()
+    with pytest.raises(redis.ConnectionError):
+        client.submit("again")
+    with pytest.raises(redis.ConnectionError):
+        list(client.stream(request_id, timeout_s=5))
+    client.close()

@@ -3,7 +3,9 @@ whole pool (DESIGN §7, durability)."""
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 
 from npu_worker.reference import first_divergence, generate_alone
 from producer.client import Client
@@ -118,3 +120,53 @@ def test_a_pool_that_dies_entirely_has_its_requests_finished_by_another(
     wait_until(lambda: redis_client.xlen(KEYS.requests) == 0, what="every entry deleted")
     info = redis_client.hgetall(KEYS.pool("b"))
     assert int(info[b"claimed"]) >= taken
+
+
+def test_a_hung_worker_is_taken_out_of_planning_and_fences_itself_when_it_wakes(
+    start_pool, client: Client, redis_client
+) -> None:
+    pool = start_pool(ranks=2, max_num_seqs=16, rank_timeout_s=2, max_model_len=512)
+    ids = [
+        client.submit(prompt_token_ids=[11, i + 2], max_tokens=150, ignore_eos=True)
+        for i in range(16)
+    ]
+    wait_until(lambda: published_chunks(redis_client, ids) > 200, what="decode to start")
+    hung = pool.processes.children[2].process  # rank1
+    assert hung is not None
+    before = redis_client.hget(KEYS.rank("default", 1), "incarnation")
+    os.kill(hung.pid, signal.SIGSTOP)
+    try:
+        for request_id in ids:  # rank 0 alone finishes everything
+            assert len(check_stream(list(client.stream(request_id, timeout_s=180)))) == 150
+        assert redis_client.hget(KEYS.rank("default", 1), "state") == b"lost"
+    finally:
+        os.kill(hung.pid, signal.SIGCONT)
+    wait_until(
+        lambda: (
+            redis_client.hget(KEYS.rank("default", 1), "incarnation") != before
+            and redis_client.hget(KEYS.rank("default", 1), "state") == b"ready"
+        ),
+        what="the woken worker to register afresh",
+    )
+    assert hung.poll() is None  # the same process, fenced and serving again
+    again = [client.submit(prompt_token_ids=[12, i + 2], max_tokens=20) for i in range(8)]
+    for request_id in again:
+        assert len(check_stream(list(client.stream(request_id, timeout_s=120)))) > 0
+
+
+def test_an_entry_delivered_too_often_goes_to_the_dead_letter_stream(
+    start_pool, client: Client, redis_client
+) -> None:
+    redis_client.xgroup_create(KEYS.requests, "pools", id="0", mkstream=True)
+    client.submit(prompt_token_ids=[5, 6], request_id="poison", max_tokens=4)
+    redis_client.xreadgroup("pools", "default", {KEYS.requests: ">"}, count=1)
+    (entry_id,) = [e for e, _ in redis_client.xrange(KEYS.requests)]
+    for _ in range(3):  # three earlier batchers claimed it and died
+        redis_client.xclaim(KEYS.requests, "pools", "default", 0, [entry_id])
+    start_pool(ranks=1, max_deliveries=4)
+    wait_until(lambda: redis_client.xlen(KEYS.dead) == 1, what="the dead letter")
+    ((_, fields),) = redis_client.xrange(KEYS.dead)
+    assert fields[b"reason"] == b"delivered 5 times without finishing"
+    assert fields[b"entry_id"] == entry_id
+    assert redis_client.xlen(KEYS.requests) == 0
+    assert client.generate(prompt="next", max_tokens=3, timeout_s=60).token_ids

@@ -192,3 +192,15 @@ def test_pool_serves_over_rediss_with_a_verified_certificate(start_pool, tmp_pat
         assert done.usage is not None and done.usage.completion_tokens == len(done.token_ids)
     finally:
         server.stop()
+
+
+def test_resubmitting_a_finished_id_does_not_run_it_again(
+    start_pool, client: Client, redis_client
+) -> None:
+    start_pool(ranks=1)
+    first = client.generate(prompt="once only", request_id="idem", max_tokens=6, timeout_s=60)
+    entries = redis_client.xrange(KEYS.result("idem"))
+    client.submit(prompt="once only", request_id="idem", max_tokens=6)
+    wait_until(lambda: redis_client.xlen(KEYS.requests) == 0, what="the repeat to be settled")
+    assert redis_client.xrange(KEYS.result("idem")) == entries
+    assert client.result("idem", timeout_s=5) == first
