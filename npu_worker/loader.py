@@ -50,6 +50,11 @@ def resolve_model_dir(model: str) -> Path:
 def load_model(path: Path, dtype_name: str, device: torch.device, max_kv_len: int) -> LoadedModel:
     """Build the model from `path` and load its weights; raises UnsupportedModel with the reason."""
     config = ModelConfig.from_dir(path)
+    if config.sliding_window is not None and max_kv_len > config.sliding_window:
+        raise UnsupportedModel(
+            f"{path}: sliding-window attention ({config.sliding_window} tokens) is not "
+            f"supported; use --max-model-len {config.sliding_window} or less"
+        )
     tokenizer_path = path / "tokenizer.json"
     if not tokenizer_path.exists():
         raise UnsupportedModel(f"{path} has no tokenizer.json")

@@ -5,6 +5,7 @@ Module names follow Hugging Face checkpoints, so a state dict loads as it is.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -180,6 +181,25 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """RoPE inverse frequencies, with `linear` or Llama 3 (`llama3`) scaling applied."""
+    exponents = torch.arange(0, config.head_dim, 2, dtype=torch.int64).float() / config.head_dim
+    inv_freq = 1.0 / (config.rope_theta**exponents)
+    scaling = config.rope_scaling
+    if config.rope_type == "linear":
+        return inv_freq / scaling["factor"]
+    if config.rope_type != "llama3":
+        return inv_freq
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_context / high) & (wavelen <= old_context / low)
+    return torch.where(medium, smoothed, scaled)
+
+
 class CausalLM(nn.Module):
     """Decoder + LM head; `forward` runs one fixed-shape launch and returns [B, vocab] logits."""
 
@@ -188,10 +208,7 @@ class CausalLM(nn.Module):
         self.config = config
         self.model = Backbone(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        inv_freq = 1.0 / (
-            config.rope_theta
-            ** (torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim)
-        )
+        inv_freq = rope_inv_freq(config)
         freqs = torch.outer(torch.arange(max_positions + 1, dtype=torch.float32), inv_freq)
         angles = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("rope_cos", angles.cos(), persistent=False)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3"}
 
 
 class UnsupportedModel(ValueError):
@@ -32,6 +33,9 @@ class ModelConfig:
     attention_bias: bool
     torch_dtype: str
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    rope_type: str = "default"
+    rope_scaling: dict[str, float] = field(default_factory=dict)
+    sliding_window: int | None = None
 
     @classmethod
     def from_dir(cls, path: Path) -> ModelConfig:
@@ -60,10 +64,15 @@ class ModelConfig:
         ]
         if missing:
             raise UnsupportedModel(f"{config_path} lacks {', '.join(missing)}")
-        if raw.get("rope_scaling"):
+        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+        rope_type = str(rope.pop("rope_type", None) or rope.pop("type", None) or "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
             raise UnsupportedModel(
-                f"{config_path}: rope_scaling {raw['rope_scaling']} not supported"
+                f"{config_path}: RoPE type {rope_type!r} not supported; "
+                f"supported: {sorted(SUPPORTED_ROPE_TYPES)}"
             )
+        rope_theta = float(rope.pop("rope_theta", None) or raw.get("rope_theta", 10000.0))
+        use_window = raw.get("use_sliding_window", arch == "MistralForCausalLM")
         num_heads = int(raw["num_attention_heads"])
         return cls(
             architecture=arch,
@@ -75,11 +84,16 @@ class ModelConfig:
             num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
             head_dim=int(raw.get("head_dim") or raw["hidden_size"] // num_heads),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(raw.get("rope_theta", 10000.0)),
+            rope_theta=rope_theta,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
-            torch_dtype=str(raw.get("torch_dtype") or "float32"),
+            torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
             eos_token_ids=_eos_ids(path, raw),
+            rope_type=rope_type,
+            rope_scaling={k: float(v) for k, v in rope.items() if isinstance(v, int | float)},
+            sliding_window=int(raw["sliding_window"])
+            if use_window and raw.get("sliding_window")
+            else None,
         )
 
 
