@@ -10,13 +10,15 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 from npu_worker.runner import LaunchRunner
-from npu_worker.sampler import SamplingRows, sample
+from npu_worker.sampler import ban_tokens, sample, sampling_rows, token_logprobs
+from npu_worker.stops import StopStrings
 from schemas.control import NewRequest, RankStepPlan, RequestOutcome, StepResult
 from schemas.messages import FinishReason, ResultChunk, SamplingParams, Usage
 
@@ -36,8 +38,10 @@ class RequestState:
     next_seq: int
     result_ttl_s: int
     decoder: DecodeStream
+    stops: StopStrings | None = None
     pending_ids: list[int] = field(default_factory=list)
     pending_text: list[str] = field(default_factory=list)
+    pending_logprobs: list[dict[str, Any]] = field(default_factory=list)
     finish_reason: FinishReason | None = None
 
     @property
@@ -124,6 +128,7 @@ class RankEngine:
             next_seq=new.start_seq,
             result_ttl_s=new.result_ttl_s,
             decoder=DecodeStream(ids=resumed, skip_special_tokens=True),
+            stops=StopStrings(list(new.sampling.stop)) if new.sampling.stop else None,
         )
 
     def _decode(self, slots: list[int], result: StepResult) -> list[RequestState]:
@@ -159,40 +164,48 @@ class RankEngine:
         return state
 
     def _sample_into(self, states: list[RequestState], logits: torch.Tensor) -> None:
-        rows = self._sampling_rows(states)
-        token_ids = sample(logits, rows).tolist()
-        for state, token in zip(states, token_ids):
-            self._append(state, int(token))
-
-    def _sampling_rows(self, states: list[RequestState]) -> SamplingRows:
-        device = self.runner.device
-
-        def column(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
-
-        return SamplingRows(
-            temperature=column([s.sampling.temperature for s in states], torch.float32),
-            top_k=column([s.sampling.top_k for s in states], torch.long),
-            top_p=column([s.sampling.top_p for s in states], torch.float32),
-            min_p=column([s.sampling.min_p for s in states], torch.float32),
-            seed=column([s.seed for s in states], torch.long),
-            index=column([s.next_index for s in states], torch.long),
+        banned = {
+            r: self._stop_ids(s)
+            for r, s in enumerate(states)
+            if s.next_index < s.sampling.min_tokens
+        }
+        if banned:
+            logits = logits.clone()
+            ban_tokens(logits, banned)
+        rows = sampling_rows(
+            [s.sampling for s in states],
+            [s.seed for s in states],
+            [s.next_index for s in states],
+            self.runner.device,
         )
+        token_ids = [int(t) for t in sample(logits, rows).tolist()]
+        logprobs = token_logprobs(logits, token_ids, [s.sampling.logprobs for s in states])
+        for state, token, entry in zip(states, token_ids, logprobs):
+            if entry is not None:
+                state.pending_logprobs.append(entry)
+            self._append(state, token)
+
+    def _stop_ids(self, state: RequestState) -> list[int]:
+        eos = [] if state.sampling.ignore_eos else list(self.eos_token_ids)
+        return eos + list(state.sampling.stop_token_ids)
 
     def _append(self, state: RequestState, token: int) -> None:
         state.token_ids.append(token)
         state.next_index += 1
         state.pending_ids.append(token)
-        text = state.decoder.step(self.tokenizer, token)
-        if text:
-            state.pending_text.append(text)
         sampling = state.sampling
-        if token in sampling.stop_token_ids or (
-            token in self.eos_token_ids and not sampling.ignore_eos
-        ):
+        may_stop = state.next_index >= sampling.min_tokens
+        text = state.decoder.step(self.tokenizer, token) or ""
+        hit = False
+        if state.stops is not None and may_stop:
+            text, hit = state.stops.feed(text)
+        state.pending_text.append(text)
+        if hit or (may_stop and token in self._stop_ids(state)):
             state.finish_reason = FinishReason.STOP
         elif state.next_index >= sampling.max_tokens or len(state.token_ids) >= self.max_model_len:
             state.finish_reason = FinishReason.LENGTH
+        if state.finish_reason is not None and state.stops is not None and not hit:
+            state.pending_text.append(state.stops.flush())
 
     def _collect(self, touched: list[RequestState], result: StepResult) -> StepOutput:
         chunks: list[tuple[ResultChunk, int]] = []
@@ -206,6 +219,7 @@ class RankEngine:
                 token_ids=state.pending_ids,
                 text="".join(state.pending_text),
                 finish_reason=state.finish_reason,
+                logprobs=state.pending_logprobs or None,
                 usage=Usage(
                     prompt_tokens=state.num_prompt_tokens,
                     completion_tokens=state.num_completion_tokens,
@@ -222,7 +236,7 @@ class RankEngine:
                 )
             )
             state.next_seq += 1
-            state.pending_ids, state.pending_text = [], []
+            state.pending_ids, state.pending_text, state.pending_logprobs = [], [], []
             if final:
                 self.slots.pop(state.slot, None)
         return StepOutput(chunks, result)

@@ -8,8 +8,11 @@ request draws the same numbers whatever else shares its launch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from schemas.messages import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 
@@ -91,3 +94,59 @@ def sample(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     picked = torch.searchsorted(cdf, draw[:, None], right=True).squeeze(-1)
     picked = picked.clamp_max(probs.shape[-1] - 1)
     return torch.where(rows.temperature == 0, greedy, picked)
+
+
+def sampling_rows(
+    params: list[SamplingParams], seeds: list[int], indices: list[int], device: torch.device
+) -> SamplingRows:
+    """The tensors of a launch's rows, from each request's parameters."""
+
+    def column(values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    return SamplingRows(
+        temperature=column([p.temperature for p in params], torch.float32),
+        top_k=column([p.top_k for p in params], torch.long),
+        top_p=column([p.top_p for p in params], torch.float32),
+        min_p=column([p.min_p for p in params], torch.float32),
+        seed=column(seeds, torch.long),
+        index=column(indices, torch.long),
+    )
+
+
+def ban_tokens(logits: torch.Tensor, banned: dict[int, list[int]]) -> None:
+    """Make `banned[row]` tokens impossible in that row (min_tokens keeps EOS away)."""
+    for row, token_ids in banned.items():
+        logits[row, token_ids] = float("-inf")
+
+
+def token_logprobs(
+    logits: torch.Tensor, token_ids: list[int], wanted: list[int | None]
+) -> list[dict[str, Any] | None]:
+    """Per row that asked: the chosen token's log-probability and the top-n alternatives.
+
+    Log-probabilities are of the model's own distribution (log_softmax of the logits,
+    before temperature and filters), as vLLM reports them by default.
+    """
+    rows = [r for r, n in enumerate(wanted) if n is not None]
+    out: list[dict[str, Any] | None] = [None] * len(wanted)
+    if not rows:
+        return out
+    logprobs = torch.log_softmax(logits[rows].float(), dim=-1)
+    most = max(wanted[r] or 0 for r in rows)
+    top_values, top_ids = logprobs.topk(most, dim=-1) if most else (None, None)
+    for i, row in enumerate(rows):
+        entry: dict[str, Any] = {
+            "token_id": token_ids[row],
+            "logprob": float(logprobs[i, token_ids[row]]),
+        }
+        n = wanted[row] or 0
+        if top_values is not None and top_ids is not None:
+            entry["top"] = [
+                [int(t), float(v)]
+                for t, v in zip(top_ids[i, :n].tolist(), top_values[i, :n].tolist())
+            ]
+        else:
+            entry["top"] = []
+        out[row] = entry
+    return out

@@ -36,6 +36,7 @@ class SamplingParams(_Wire):
     """Per-request sampling; `temperature == 0` is greedy."""
 
     max_tokens: int = Field(default=16, ge=1)
+    min_tokens: int = Field(default=0, ge=0, description="no EOS or stop before this many")
     temperature: float = Field(default=0.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1, description="0 or -1: no top-k filter")
@@ -52,6 +53,12 @@ class SamplingParams(_Wire):
         if not math.isfinite(value):
             raise ValueError(f"must be a finite number, got {value}")
         return value
+
+    @model_validator(mode="after")
+    def _min_below_max(self) -> SamplingParams:
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens={self.min_tokens} exceeds max_tokens={self.max_tokens}")
+        return self
 
     @field_validator("stop")
     @classmethod
