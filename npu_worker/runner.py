@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from npu_worker.backends import make_backend
 from npu_worker.loader import LoadedModel
 from npu_worker.model import KVCache, LaunchInputs
 
@@ -24,13 +25,18 @@ class LaunchRunner:
         max_kv_len: int,
         prefill_chunk: int,
         decode_batch: int,
+        cuda_graphs: bool = True,
     ) -> None:
-        self.model = loaded.model
         self.device = loaded.device
         self.prefill_chunk = prefill_chunk
         self.decode_batch = decode_batch
         self.cache = KVCache(loaded.config, num_slots, max_kv_len, loaded.dtype, loaded.device)
+        self.backend = make_backend(loaded.model, self.cache, loaded.device, cuda_graphs)
         self.num_launches = {"prefill": 0, "decode": 0}
+
+    def spans(self) -> list[int]:
+        """Every cache span a launch may read: the captured shapes of graph backends."""
+        return list(range(self.prefill_chunk, self.cache.max_kv_len + 1, self.prefill_chunk))
 
     def span_for(self, context_len: int) -> int:
         """Cache positions a launch reads: whole prefill chunks covering `context_len`."""
@@ -50,12 +56,35 @@ class LaunchRunner:
             slot_ids=self._tensor([slot]),
             logit_index=self._tensor([len(token_ids) - 1]),
             span=start + size,
-            window_start=slot,
+            window_start=slot if self.backend.reads_in_place else None,
         )
         self.num_launches["prefill"] += 1
-        return self.model(launch, self.cache)
+        return self.backend.run(launch)
 
-    def dummy_prefill(self) -> None:
+    def warm_up(self) -> None:
+        """Run (and so capture, on graph backends) every launch shape before any request."""
+        for span in self.spans():
+            self.dummy_prefill(span)
+            self.dummy_decode(span)
+        self.num_launches = {"prefill": 0, "decode": 0}
+
+    def dummy_decode(self, span: int) -> torch.Tensor:
+        """A decode launch of padding rows only, reading `span` positions."""
+        batch = self.decode_batch
+        launch = LaunchInputs(
+            input_ids=torch.zeros(batch, 1, dtype=torch.long, device=self.device),
+            positions=torch.full(
+                (batch, 1), self.cache.scratch_position, dtype=torch.long, device=self.device
+            ),
+            slot_ids=torch.zeros(batch, dtype=torch.long, device=self.device),
+            logit_index=torch.zeros(batch, dtype=torch.long, device=self.device),
+            span=span,
+            window_start=None,
+        )
+        self.num_launches["decode"] += 1
+        return self.backend.run(launch)
+
+    def dummy_prefill(self, span: int | None = None) -> None:
         """A prefill launch that touches only scratch positions (lockstep filler)."""
         scratch = self.cache.scratch_position
         launch = LaunchInputs(
@@ -63,11 +92,11 @@ class LaunchRunner:
             positions=self._tensor([[scratch] * self.prefill_chunk]),
             slot_ids=self._tensor([0]),
             logit_index=self._tensor([0]),
-            span=self.prefill_chunk,
-            window_start=0,
+            span=span or self.prefill_chunk,
+            window_start=0 if self.backend.reads_in_place else None,
         )
         self.num_launches["prefill"] += 1
-        self.model(launch, self.cache)
+        self.backend.run(launch)
 
     def decode(self, slots: list[int], token_ids: list[int], positions: list[int]) -> torch.Tensor:
         """One B`decode_batch`S1 launch for up to `decode_batch` rows; [len(slots), vocab] logits.
@@ -93,13 +122,14 @@ class LaunchRunner:
             window_start=window_start,
         )
         self.num_launches["decode"] += 1
-        logits = self.model(launch, self.cache)
+        logits = self.backend.run(launch)
         return logits[self._tensor(row_of)] if slots else logits[:0]
 
     def _layout(self, slots: list[int]) -> tuple[int | None, list[int], list[int]]:
         """Rows on a window of consecutive slots where they fit, else gathered by slot id."""
         batch, num_slots = self.decode_batch, self.cache.num_slots
-        if slots and num_slots >= batch and max(slots) - min(slots) < batch:
+        in_place = self.backend.reads_in_place
+        if in_place and slots and num_slots >= batch and max(slots) - min(slots) < batch:
             start = min(min(slots), num_slots - batch)
             return start, [s - start for s in slots], list(range(start, start + batch))
         padding = [slots[0] if slots else 0] * (batch - len(slots))

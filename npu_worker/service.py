@@ -122,7 +122,7 @@ class Worker:
             settings.prefill_chunk,
             settings.decode_batch,
         )
-        warm_up(runner)
+        runner.warm_up()
         return RankEngine(
             runner,
             loaded.tokenizer,
@@ -199,13 +199,6 @@ class Worker:
     def request_stop(self, *_: object) -> None:
         """Signal handler: finish the current step, then exit."""
         self.stop_event.set()
-
-
-def warm_up(runner: LaunchRunner) -> None:
-    """Run every launch shape once before the first request (allocations, kernel selection)."""
-    runner.dummy_prefill()
-    runner.decode([], [], [])
-    runner.num_launches = {"prefill": 0, "decode": 0}
 
 
 def main(argv: list[str]) -> int:

@@ -1,0 +1,153 @@
+"""Kernel microbenchmark: latency of each fixed launch shape, and tokens/s of back-to-back
+decode launches in one process with no queue (the pool's kernel ceiling).
+
+    npu-pool bench --kernels [--json out.json] [--iters N] [settings flags]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from npu_worker.devices import resolve_device, set_cpu_threads
+from npu_worker.loader import load_model, resolve_model_dir
+from npu_worker.runner import LaunchRunner
+from schemas.config import Settings, add_settings_flags, settings_from_args
+
+
+def _timed(fn: Callable[[], Any], device: torch.device, iters: int) -> list[float]:
+    """Milliseconds per call, synchronising the device around each one."""
+    samples = []
+    for _ in range(iters):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        samples.append((time.perf_counter() - start) * 1000)
+    return samples
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    elif device.type == "npu":
+        torch.npu.synchronize()  # type: ignore[attr-defined]
+
+
+def _prefill_call(runner: LaunchRunner, prompt: list[int], start: int) -> Callable[[], Any]:
+    return lambda: runner.prefill(0, prompt, start)
+
+
+def _decode_call(runner: LaunchRunner, position: int) -> Callable[[], Any]:
+    """A full decode launch (every row real) followed by the greedy pick."""
+    batch = runner.decode_batch
+    slots, tokens, positions = list(range(batch)), [5] * batch, [position] * batch
+    return lambda: runner.decode(slots, tokens, positions).argmax(-1)
+
+
+def measure(settings: Settings, iters: int) -> dict[str, Any]:
+    """Launch latencies and the back-to-back decode ceiling for one configuration."""
+    device = resolve_device(settings.device)
+    if device.type == "cpu":
+        set_cpu_threads(settings.threads_per_rank, settings.ranks)
+    loaded = load_model(
+        resolve_model_dir(settings.model), settings.dtype, device, settings.max_kv_len
+    )
+    batch, chunk = settings.decode_batch, settings.prefill_chunk
+    runner = LaunchRunner(
+        loaded, max(settings.kv_slots_per_rank, batch), settings.max_kv_len, chunk, batch
+    )
+    runner.warm_up()
+    prompt = [5] * chunk
+    launches: list[dict[str, Any]] = []
+    for span in sorted({chunk, settings.max_kv_len}):
+        ms = _timed(_prefill_call(runner, prompt, span - chunk), device, iters)
+        launches.append(
+            {
+                "launch": f"prefill B1S{chunk}",
+                "span": span,
+                "p50_ms": statistics.median(ms),
+                "min_ms": min(ms),
+            }
+        )
+        ms = _timed(_decode_call(runner, span - 1), device, iters)
+        launches.append(
+            {
+                "launch": f"decode B{batch}S1",
+                "span": span,
+                "p50_ms": statistics.median(ms),
+                "min_ms": min(ms),
+                "tokens_per_s": batch / (statistics.median(ms) / 1000),
+            }
+        )
+    context = min(settings.max_kv_len, 2 * chunk)
+    _sync(device)
+    started = time.perf_counter()
+    step = _decode_call(runner, context - 1)
+    for _ in range(iters):
+        step()
+    _sync(device)
+    elapsed = time.perf_counter() - started
+    return {
+        "model": str(loaded.path.name),
+        "device": str(device),
+        "backend": runner.backend.name,
+        "dtype": str(loaded.dtype).split(".")[-1],
+        "threads": torch.get_num_threads(),
+        "launches": launches,
+        "ceiling": {
+            "decode_shape": f"B{batch}S1",
+            "context": context,
+            "launches": iters,
+            "tokens_per_s": iters * batch / elapsed,
+            "ms_per_launch": elapsed * 1000 / iters,
+        },
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the launch table and ceiling; optionally write them as JSON."""
+    parser = argparse.ArgumentParser(prog="npu-pool bench --kernels", description=__doc__)
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    add_settings_flags(parser)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        settings = settings_from_args(args)
+    except ValueError as exc:
+        print(f"npu-pool bench: {exc}", file=sys.stderr)
+        return 2
+    torch.set_grad_enabled(False)
+    result = measure(settings, args.iters)
+    print(
+        f"{result['model']} on {result['device']} ({result['backend']}, {result['dtype']}, "
+        f"{result['threads']} threads)"
+    )
+    print(f"{'launch':<16}{'span':>6}{'p50 ms':>10}{'min ms':>10}{'tokens/s':>12}")
+    for row in result["launches"]:
+        rate = f"{row['tokens_per_s']:.0f}" if "tokens_per_s" in row else ""
+        print(
+            f"{row['launch']:<16}{row['span']:>6}{row['p50_ms']:>10.3f}{row['min_ms']:>10.3f}"
+            f"{rate:>12}"
+        )
+    ceiling = result["ceiling"]
+    print(
+        f"ceiling: {ceiling['tokens_per_s']:.0f} tokens/s back-to-back "
+        f"{ceiling['decode_shape']} at context {ceiling['context']}"
+    )
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
