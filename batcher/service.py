@@ -66,6 +66,10 @@ class Batcher:
         self.lease_ms = int(settings.rank_timeout_s * 1000)
         self.stopping = False
         self.stats = {
+            "decode_launches": 0,
+            "padding_rows": 0,
+            "mtp_proposed": 0,
+            "mtp_accepted": 0,
             "steps": 0,
             "tokens": 0,
             "finished": 0,
@@ -337,6 +341,10 @@ class Batcher:
 
     def _apply(self, result: StepResult, pipe: redis.client.Pipeline) -> None:
         self.book.apply(result, pipe)
+        self.stats["decode_launches"] += result.num_decode_launches
+        self.stats["padding_rows"] += result.num_padding_rows
+        self.stats["mtp_proposed"] += result.num_draft_proposed
+        self.stats["mtp_accepted"] += result.num_draft_accepted
         waiting = self.inflight.get(result.step)
         if waiting is not None:
             waiting.discard(result.rank)

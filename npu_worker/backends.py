@@ -1,30 +1,34 @@
 """How a rank runs its fixed-shape launches on each device.
 
 - `eager`: plain torch calls at the static shapes (CPU, or any device for debugging).
-- `cuda-graphs`: every (batch, sequence, span) shape captured once as a CUDA graph at
-  warm-up and replayed; inputs are copied into the graph's static buffers.
+- `cuda-graphs`: every (program, batch, sequence, span) shape captured once as a CUDA graph
+  at warm-up and replayed; inputs are copied into the graph's static buffers.
 - `npu`: torch_npu, compiled in graph mode through torchair where it is installed.
 
-Graph backends read the KV cache by slot ids (a gather), since a captured graph cannot
-take a different in-place window on every replay.
+A launch is the main model (`forward`) or the MTP draft (`draft`, fed the main model's
+hidden states). Graph backends read the KV cache by slot ids (a gather), since a captured
+graph cannot take a different in-place window on every replay.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
-from npu_worker.model import CausalLM, KVCache, LaunchInputs
+from npu_worker.model import CausalLM, KVCache, LaunchInputs, LaunchOutput
 
 
 class LaunchBackend(Protocol):
-    """Runs one launch at a declared shape and returns its [B, vocab] logits."""
+    """Runs launches at declared shapes."""
 
     name: str
     reads_in_place: bool
 
-    def run(self, launch: LaunchInputs) -> torch.Tensor: ...
+    def run(self, launch: LaunchInputs) -> LaunchOutput: ...
+
+    def draft(self, launch: LaunchInputs, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
 class EagerBackend:
@@ -36,8 +40,11 @@ class EagerBackend:
     def __init__(self, model: CausalLM, cache: KVCache) -> None:
         self.model, self.cache = model, cache
 
-    def run(self, launch: LaunchInputs) -> torch.Tensor:
+    def run(self, launch: LaunchInputs) -> LaunchOutput:
         return self.model(launch, self.cache)
+
+    def draft(self, launch: LaunchInputs, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.draft(launch, hidden, self.cache)
 
 
 class CudaGraphBackend:
@@ -49,45 +56,58 @@ class CudaGraphBackend:
     def __init__(self, model: CausalLM, cache: KVCache) -> None:
         self.model, self.cache = model, cache
         self.graphs: dict[
-            tuple[int, int, int], tuple[torch.cuda.CUDAGraph, LaunchInputs, torch.Tensor]
+            tuple[Any, ...], tuple[torch.cuda.CUDAGraph, LaunchInputs, torch.Tensor | None, Any]
         ] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
-    def run(self, launch: LaunchInputs) -> torch.Tensor:
-        batch, seq = launch.input_ids.shape
-        key = (batch, seq, launch.span)
+    def run(self, launch: LaunchInputs) -> LaunchOutput:
+        out = self._replay("forward", launch, None)
+        return LaunchOutput(out.logits.clone(), out.hidden.clone())
+
+    def draft(self, launch: LaunchInputs, hidden: torch.Tensor) -> torch.Tensor:
+        return self._replay("draft", launch, hidden).clone()
+
+    def _replay(self, program: str, launch: LaunchInputs, hidden: torch.Tensor | None) -> Any:
+        key = (program, *launch.input_ids.shape, launch.logit_index.shape[1], launch.span)
         if key not in self.graphs:
-            self.graphs[key] = self._capture(launch)
-        graph, static, output = self.graphs[key]
+            self.graphs[key] = self._capture(program, launch, hidden)
+        graph, static, static_hidden, output = self.graphs[key]
         static.input_ids.copy_(launch.input_ids)
         static.positions.copy_(launch.positions)
         static.slot_ids.copy_(launch.slot_ids)
         static.logit_index.copy_(launch.logit_index)
+        if static_hidden is not None and hidden is not None:
+            static_hidden.copy_(hidden)
         graph.replay()
-        return output.clone()
+        return output
 
     def _capture(
-        self, launch: LaunchInputs
-    ) -> tuple[torch.cuda.CUDAGraph, LaunchInputs, torch.Tensor]:
-        scratch = self.cache.scratch_position
+        self, program: str, launch: LaunchInputs, hidden: torch.Tensor | None
+    ) -> tuple[torch.cuda.CUDAGraph, LaunchInputs, torch.Tensor | None, Any]:
         static = LaunchInputs(
             input_ids=torch.zeros_like(launch.input_ids),
-            positions=torch.full_like(launch.positions, scratch),  # warm-up touches scratch
+            positions=torch.full_like(launch.positions, self.cache.scratch_position),
             slot_ids=torch.zeros_like(launch.slot_ids),
             logit_index=torch.zeros_like(launch.logit_index),
             span=launch.span,
             window_start=None,
         )
+        static_hidden = torch.zeros_like(hidden) if hidden is not None else None
+        call: Callable[[], Any] = (
+            (lambda: self.model(static, self.cache))
+            if program == "forward"
+            else (lambda: self.model.draft(static, static_hidden, self.cache))  # type: ignore[arg-type]
+        )
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(2):
-                self.model(static, self.cache)
+            for _ in range(2):  # warm-up writes only the scratch position
+                call()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            output = self.model(static, self.cache)
-        return graph, static, output
+            output = call()
+        return graph, static, static_hidden, output
 
 
 class NpuBackend:
@@ -104,19 +124,23 @@ class NpuBackend:
             ) from exc
         self.model, self.cache = model, cache
         self.name = "npu-eager"
-        self.forward = model.forward
+        self.forward: Callable[..., Any] = model.forward
+        self.draft_forward: Callable[..., Any] = model.draft
         try:
             import torchair
 
-            config = torchair.CompilerConfig()
-            backend = torchair.get_npu_backend(compiler_config=config)
+            backend = torchair.get_npu_backend(compiler_config=torchair.CompilerConfig())
             self.forward = torch.compile(model.forward, backend=backend, dynamic=False)
+            self.draft_forward = torch.compile(model.draft, backend=backend, dynamic=False)
             self.name = "npu-graph"
         except ImportError:
             pass
 
-    def run(self, launch: LaunchInputs) -> torch.Tensor:
+    def run(self, launch: LaunchInputs) -> LaunchOutput:
         return self.forward(launch, self.cache)
+
+    def draft(self, launch: LaunchInputs, hidden: torch.Tensor) -> torch.Tensor:
+        return self.draft_forward(launch, hidden, self.cache)
 
 
 def make_backend(

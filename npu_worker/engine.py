@@ -16,8 +16,9 @@ import torch
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
+from npu_worker.mtp import accept_drafts
 from npu_worker.runner import LaunchRunner
-from npu_worker.sampler import ban_tokens, sample, sampling_rows, token_logprobs
+from npu_worker.sampler import SamplingRows, sample, sampling_rows, token_logprobs
 from npu_worker.stops import StopStrings
 from schemas.control import NewRequest, RankStepPlan, RequestOutcome, StepResult
 from schemas.messages import FinishReason, ResultChunk, SamplingParams, Usage
@@ -140,15 +141,53 @@ class RankEngine:
             and len(self.slots[s].token_ids) > self.slots[s].num_context_tokens
         ]
         states = [self.slots[s] for s in live]
-        logits = self.runner.decode(
-            live, [st.token_ids[-1] for st in states], [len(st.token_ids) - 1 for st in states]
-        )
         result.num_decode_launches += 1
         result.num_decode_rows += len(states)
         result.num_padding_rows += self.runner.decode_batch - len(states)
+        if self.runner.mtp:
+            self._verify(live, states, result)
+            return states
+        logits = self.runner.decode(
+            live, [st.token_ids[-1] for st in states], [len(st.token_ids) - 1 for st in states]
+        )
         if states:
             self._sample_into(states, logits)
         return states
+
+    def _verify(self, live: list[int], states: list[RequestState], result: StepResult) -> None:
+        """MTP decode: verify each row's draft, commit one or two tokens, draft again."""
+        max_position = max((len(s.token_ids) - 1 for s in states), default=0)
+        verify = self.runner.verify(live, max_position)
+        if not states:
+            return
+        logits = verify.logits
+        banned = self._banned(states, offset=0) | self._banned(states, offset=1)
+        if banned:
+            logits = logits.clone()
+            for (row, position), token_ids in banned.items():
+                logits[row, position, token_ids] = float("-inf")
+        rows = self._rows(states)
+        decided = accept_drafts(logits, verify.drafts, rows)
+        self.runner.commit(verify, decided.first, decided.second, decided.accepted)
+        firsts, seconds = decided.first.tolist(), decided.second.tolist()
+        accepted = decided.accepted.tolist()
+        wanted = [s.sampling.logprobs for s in states]
+        first_lp = token_logprobs(logits[:, 0], firsts, wanted)
+        second_lp = token_logprobs(logits[:, 1], seconds, wanted)
+        result.num_draft_proposed += len(states)
+        result.num_draft_accepted += sum(accepted)
+        for i, state in enumerate(states):
+            self._commit(state, firsts[i], first_lp[i])
+            if accepted[i] and state.finish_reason is None:
+                self._commit(state, seconds[i], second_lp[i])
+
+    def _banned(self, states: list[RequestState], offset: int) -> dict[tuple[int, int], list[int]]:
+        """Tokens that min_tokens forbids, per (row, launch position)."""
+        return {
+            (r, offset): self._stop_ids(s)
+            for r, s in enumerate(states)
+            if s.next_index + offset < s.sampling.min_tokens
+        }
 
     def _prefill(self, slot: int, start: int, num_tokens: int) -> RequestState | None:
         if num_tokens == 0:
@@ -157,33 +196,41 @@ class RankEngine:
         state = self.slots.get(slot)
         if state is None or state.finish_reason is not None:
             return None
-        logits = self.runner.prefill(slot, state.token_ids[start : start + num_tokens], start)
-        if start + num_tokens < state.num_context_tokens:
-            return None
-        self._sample_into([state], logits)
-        return state
+        out = self.runner.prefill_launch(slot, state.token_ids[start : start + num_tokens], start)
+        final = start + num_tokens >= state.num_context_tokens
+        if final:
+            self._sample_into([state], out.logits[:, 0])
+        if self.runner.mtp and state.finish_reason is None:
+            next_ids = state.token_ids[start + 1 : start + num_tokens + 1]
+            draft = self.runner.prefill_draft(slot, out.hidden, next_ids, start)
+            if final:
+                position = state.num_context_tokens
+                self.runner.set_tail(slot, state.token_ids[position], position, draft)
+        return state if final else None
 
     def _sample_into(self, states: list[RequestState], logits: torch.Tensor) -> None:
-        banned = {
-            r: self._stop_ids(s)
-            for r, s in enumerate(states)
-            if s.next_index < s.sampling.min_tokens
-        }
+        banned = self._banned(states, offset=0)
         if banned:
             logits = logits.clone()
-            ban_tokens(logits, banned)
-        rows = sampling_rows(
+            for (row, _), token_ids in banned.items():
+                logits[row, token_ids] = float("-inf")
+        chosen = [int(t) for t in sample(logits, self._rows(states)).tolist()]
+        logprobs = token_logprobs(logits, chosen, [s.sampling.logprobs for s in states])
+        for state, token, entry in zip(states, chosen, logprobs):
+            self._commit(state, token, entry)
+
+    def _rows(self, states: list[RequestState]) -> SamplingRows:
+        return sampling_rows(
             [s.sampling for s in states],
             [s.seed for s in states],
             [s.next_index for s in states],
             self.runner.device,
         )
-        token_ids = [int(t) for t in sample(logits, rows).tolist()]
-        logprobs = token_logprobs(logits, token_ids, [s.sampling.logprobs for s in states])
-        for state, token, entry in zip(states, token_ids, logprobs):
-            if entry is not None:
-                state.pending_logprobs.append(entry)
-            self._append(state, token)
+
+    def _commit(self, state: RequestState, token: int, logprob: dict[str, Any] | None) -> None:
+        if logprob is not None:
+            state.pending_logprobs.append(logprob)
+        self._append(state, token)
 
     def _stop_ids(self, state: RequestState) -> list[int]:
         eos = [] if state.sampling.ignore_eos else list(self.eos_token_ids)

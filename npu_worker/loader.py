@@ -47,9 +47,20 @@ def resolve_model_dir(model: str) -> Path:
     return path
 
 
-def load_model(path: Path, dtype_name: str, device: torch.device, max_kv_len: int) -> LoadedModel:
-    """Build the model from `path` and load its weights; raises UnsupportedModel with the reason."""
+def load_model(
+    path: Path, dtype_name: str, device: torch.device, max_kv_len: int, mtp: bool = False
+) -> LoadedModel:
+    """Build the model from `path` and load its weights; raises UnsupportedModel with the reason.
+
+    With `mtp`, the checkpoint's MTP module (`mtp.*`, `num_nextn_predict_layers: 1`) is
+    loaded too; without it, MTP weights are ignored.
+    """
     config = ModelConfig.from_dir(path)
+    if mtp and config.mtp_layers != 1:
+        raise UnsupportedModel(
+            f"{path}: --mtp needs an MTP module with num_nextn_predict_layers: 1 "
+            f"(config has {config.mtp_layers})"
+        )
     if config.sliding_window is not None and max_kv_len > config.sliding_window:
         raise UnsupportedModel(
             f"{path}: sliding-window attention ({config.sliding_window} tokens) is not "
@@ -66,8 +77,10 @@ def load_model(path: Path, dtype_name: str, device: torch.device, max_kv_len: in
     )
     if dtype == torch.float16 and device.type == "cpu":
         dtype = torch.bfloat16
-    model = CausalLM(config, max_positions=max_kv_len)
+    model = CausalLM(config, max_positions=max_kv_len, with_mtp=mtp)
     state = _read_weights(path)
+    if not mtp:
+        state = {k: v for k, v in state.items() if not k.startswith("mtp.")}
     if config.tie_word_embeddings or "lm_head.weight" not in state:
         state.pop("lm_head.weight", None)
         model.tie_weights()

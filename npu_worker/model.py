@@ -27,9 +27,17 @@ class LaunchInputs:
     input_ids: torch.Tensor  # [B, S]
     positions: torch.Tensor  # [B, S], where each token's K/V is written and which keys it sees
     slot_ids: torch.Tensor  # [B]
-    logit_index: torch.Tensor  # [B], the position within S whose logits are returned
+    logit_index: torch.Tensor  # [B, K], the positions within S whose logits are returned
     span: int
     window_start: int | None
+
+
+@dataclass(slots=True)
+class LaunchOutput:
+    """Logits at the requested positions and the final hidden states of every position."""
+
+    logits: torch.Tensor  # [B, K, vocab], float32
+    hidden: torch.Tensor  # [B, S, hidden], after the final norm
 
 
 class KVCache:
@@ -45,10 +53,12 @@ class KVCache:
         max_kv_len: int,
         dtype: torch.dtype,
         device: torch.device,
+        num_layers: int | None = None,
     ) -> None:
         shape = (num_slots, config.num_kv_heads, max_kv_len + 1, config.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        layers = config.num_layers if num_layers is None else num_layers
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.num_slots = num_slots
         self.max_kv_len = max_kv_len
 
@@ -88,13 +98,17 @@ class Attention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         launch: LaunchInputs,
-        cache: KVCache,
+        cache: KVCache | None,
     ) -> torch.Tensor:
         batch, seq, _ = x.shape
         q = self.q_proj(x).view(batch, seq, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if cache is None:  # training: whole sequences, no cache
+            keys, values = k.transpose(1, 2), v.transpose(1, 2)
+            out = _attend(q, keys, values, launch.positions, self.num_kv_heads)
+            return self.o_proj(out.reshape(batch, seq, self.num_heads * self.head_dim))
         k_cache, v_cache = cache.k[self.layer], cache.v[self.layer]
         rows = launch.slot_ids[:, None]
         k_cache[rows, :, launch.positions] = k.to(k_cache.dtype)
@@ -167,7 +181,7 @@ class DecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         launch: LaunchInputs,
-        cache: KVCache,
+        cache: KVCache | None,
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, launch, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -200,14 +214,41 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-class CausalLM(nn.Module):
-    """Decoder + LM head; `forward` runs one fixed-shape launch and returns [B, vocab] logits."""
+class MTPModule(nn.Module):
+    """DeepSeek-style multi-token prediction (K=1): from the final hidden state at position i
+    and the embedding of token i+1, one transformer block predicts token i+2 through the
+    shared head. Its block keeps its own KV cache layer (index `num_layers`)."""
 
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
+        self.layer = DecoderLayer(config, config.num_layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        embedded: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        launch: LaunchInputs,
+        cache: KVCache,
+    ) -> torch.Tensor:
+        x = self.eh_proj(torch.cat((self.enorm(embedded), self.hnorm(hidden)), dim=-1))
+        return self.norm(self.layer(x, cos, sin, launch, cache))
+
+
+class CausalLM(nn.Module):
+    """Decoder + LM head (+ the optional MTP module); each call runs one fixed-shape launch."""
+
+    def __init__(self, config: ModelConfig, max_positions: int, with_mtp: bool = False) -> None:
         super().__init__()
         self.config = config
         self.model = Backbone(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.mtp = MTPModule(config) if with_mtp else None
         inv_freq = rope_inv_freq(config)
         freqs = torch.outer(torch.arange(max_positions + 1, dtype=torch.float32), inv_freq)
         angles = torch.cat((freqs, freqs), dim=-1)
@@ -221,13 +262,30 @@ class CausalLM(nn.Module):
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
 
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of every token's rotation, [B, S, 1, head_dim]."""
+        return self.rope_cos[positions][:, :, None, :], self.rope_sin[positions][:, :, None, :]
+
+    def logits_at(self, hidden: torch.Tensor, logit_index: torch.Tensor) -> torch.Tensor:
+        """[B, K, vocab] float32 logits of the hidden states at `logit_index` [B, K]."""
+        rows = torch.arange(hidden.shape[0], device=hidden.device)[:, None]
+        return self.lm_head(hidden[rows, logit_index]).float()
+
     @torch.inference_mode()
-    def forward(self, launch: LaunchInputs, cache: KVCache) -> torch.Tensor:
-        cos = self.rope_cos[launch.positions][:, :, None, :]
-        sin = self.rope_sin[launch.positions][:, :, None, :]
+    def forward(self, launch: LaunchInputs, cache: KVCache) -> LaunchOutput:
+        cos, sin = self.rope(launch.positions)
         x = self.model.embed_tokens(launch.input_ids)
         for layer in self.model.layers:
             x = layer(x, cos, sin, launch, cache)
-        rows = torch.arange(x.shape[0], device=x.device)
-        last = self.model.norm(x[rows, launch.logit_index])
-        return self.lm_head(last).float()
+        hidden = self.model.norm(x)
+        return LaunchOutput(self.logits_at(hidden, launch.logit_index), hidden)
+
+    @torch.inference_mode()
+    def draft(self, launch: LaunchInputs, hidden: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """MTP logits [B, K, vocab]: `launch.input_ids` hold token i+1 for each hidden state i."""
+        if self.mtp is None:
+            raise RuntimeError("this model has no MTP module")
+        cos, sin = self.rope(launch.positions)
+        embedded = self.model.embed_tokens(launch.input_ids)
+        out = self.mtp(hidden, embedded, cos, sin, launch, cache)
+        return self.logits_at(out, launch.logit_index)

@@ -36,6 +36,7 @@ class ModelConfig:
     rope_type: str = "default"
     rope_scaling: dict[str, float] = field(default_factory=dict)
     sliding_window: int | None = None
+    mtp_layers: int = 0
 
     @classmethod
     def from_dir(cls, path: Path) -> ModelConfig:
@@ -91,6 +92,7 @@ class ModelConfig:
             eos_token_ids=_eos_ids(path, raw),
             rope_type=rope_type,
             rope_scaling={k: float(v) for k, v in rope.items() if isinstance(v, int | float)},
+            mtp_layers=int(raw.get("num_nextn_predict_layers") or 0),
             sliding_window=int(raw["sliding_window"])
             if use_window and raw.get("sliding_window")
             else None,

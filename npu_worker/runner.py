@@ -1,22 +1,61 @@
-"""The fixed-shape launches of one rank: B1S`prefill_chunk` prefill and B`decode_batch`S1 decode.
+"""The fixed-shape launches of one rank.
 
-Only these shapes ever reach the model. Inputs are padded explicitly; the KV cache is
-allocated once. A decode launch reads the cache in place when its rows fit in a window of
-`decode_batch` consecutive slots, and only the first `span` positions (a multiple of
-`prefill_chunk` at or above the longest context), so cost follows the context, not the cache.
+Prefill is B1S`prefill_chunk`; decode is B`decode_batch`S1, or with MTP the verify launch
+B`decode_batch`S2 (row = [last committed token, draft]) followed by the MTP draft launch
+of the same shape. Only these shapes ever reach the model; inputs are padded explicitly
+and the KV cache is allocated once. A decode launch reads the cache in place when its
+rows fit in a window of `decode_batch` consecutive slots, and only the first `span`
+positions (a multiple of `prefill_chunk` at or above the longest context).
+
+With MTP, each request's committed tail (last committed token, its position, the draft)
+lives in a per-rank pool indexed by KV slot, on the device: a verify launch gathers its
+rows from it once and `commit` scatters them back once.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from npu_worker.backends import make_backend
 from npu_worker.loader import LoadedModel
-from npu_worker.model import KVCache, LaunchInputs
+from npu_worker.model import KVCache, LaunchInputs, LaunchOutput
+
+
+@dataclass(slots=True)
+class TailPool:
+    """Committed-tail state of every slot: token, position (not yet in the cache), draft."""
+
+    token: torch.Tensor  # [slots] long
+    position: torch.Tensor  # [slots] long
+    draft: torch.Tensor  # [slots] long
+
+
+@dataclass(slots=True)
+class Layout:
+    """Where a launch's rows sit: row i reads slot `slot_ids[i]`; `rows` maps inputs to rows."""
+
+    window_start: int | None
+    rows: list[int]
+    slot_ids: list[int]
+
+
+@dataclass(slots=True)
+class Verify:
+    """A verify launch's results, for acceptance and then `commit`."""
+
+    layout: Layout
+    slots: torch.Tensor  # [n] the requests' slots
+    logits: torch.Tensor  # [n, 2, vocab]
+    hidden: torch.Tensor  # [B, 2, hidden]
+    drafts: torch.Tensor  # [n]
+    positions: torch.Tensor  # [n] position of each row's last committed token
+    span: int
 
 
 class LaunchRunner:
-    """Runs prefill and decode launches of one rank on its device."""
+    """Runs prefill, decode, and MTP verify/draft launches of one rank on its device."""
 
     def __init__(
         self,
@@ -30,8 +69,14 @@ class LaunchRunner:
         self.device = loaded.device
         self.prefill_chunk = prefill_chunk
         self.decode_batch = decode_batch
-        self.cache = KVCache(loaded.config, num_slots, max_kv_len, loaded.dtype, loaded.device)
+        self.mtp = loaded.model.mtp is not None
+        layers = loaded.config.num_layers + (1 if self.mtp else 0)
+        self.cache = KVCache(
+            loaded.config, num_slots, max_kv_len, loaded.dtype, loaded.device, num_layers=layers
+        )
         self.backend = make_backend(loaded.model, self.cache, loaded.device, cuda_graphs)
+        zeros = torch.zeros(num_slots, dtype=torch.long, device=self.device)
+        self.tail = TailPool(zeros.clone(), zeros.clone(), zeros.clone())
         self.num_launches = {"prefill": 0, "decode": 0}
 
     def spans(self) -> list[int]:
@@ -43,46 +88,65 @@ class LaunchRunner:
         chunks = -(-context_len // self.prefill_chunk)
         return min(self.cache.max_kv_len, chunks * self.prefill_chunk)
 
-    def prefill(self, slot: int, token_ids: list[int], start: int) -> torch.Tensor:
-        """One B1S`prefill_chunk` launch; returns the [1, vocab] logits of its last real token."""
+    def warm_up(self) -> None:
+        """Run (and so capture, on graph backends) every launch shape before any request."""
+        for span in self.spans():
+            self.dummy_prefill(span)
+            self.backend.run(self._padding_launch(1, span))
+            if self.mtp:
+                launch = self._padding_launch(2, span)
+                hidden = self.backend.run(launch).hidden
+                self.backend.draft(launch, hidden)
+        self.num_launches = {"prefill": 0, "decode": 0}
+
+    # -- prefill --------------------------------------------------------------------------
+
+    def prefill_launch(self, slot: int, token_ids: list[int], start: int) -> LaunchOutput:
+        """One B1S`prefill_chunk` launch; logits of its last real token, hidden of all."""
         size = self.prefill_chunk
         if not 0 < len(token_ids) <= size or start % size:
             raise ValueError(f"bad prefill chunk: {len(token_ids)} tokens at start {start}")
-        ids = token_ids + [0] * (size - len(token_ids))
-        positions = list(range(start, start + size))
         launch = LaunchInputs(
-            input_ids=self._tensor([ids]),
-            positions=self._tensor([positions]),
+            input_ids=self._tensor([token_ids + [0] * (size - len(token_ids))]),
+            positions=self._tensor([list(range(start, start + size))]),
             slot_ids=self._tensor([slot]),
-            logit_index=self._tensor([len(token_ids) - 1]),
+            logit_index=self._tensor([[len(token_ids) - 1]]),
             span=start + size,
             window_start=slot if self.backend.reads_in_place else None,
         )
         self.num_launches["prefill"] += 1
         return self.backend.run(launch)
 
-    def warm_up(self) -> None:
-        """Run (and so capture, on graph backends) every launch shape before any request."""
-        for span in self.spans():
-            self.dummy_prefill(span)
-            self.dummy_decode(span)
-        self.num_launches = {"prefill": 0, "decode": 0}
+    def prefill(self, slot: int, token_ids: list[int], start: int) -> torch.Tensor:
+        """One prefill launch; the [1, vocab] logits of its last real token."""
+        return self.prefill_launch(slot, token_ids, start).logits[:, 0]
 
-    def dummy_decode(self, span: int) -> torch.Tensor:
-        """A decode launch of padding rows only, reading `span` positions."""
-        batch = self.decode_batch
+    def prefill_draft(
+        self, slot: int, hidden: torch.Tensor, next_ids: list[int], start: int
+    ) -> int:
+        """MTP over a prefilled chunk (fills the MTP cache layer); the draft after its end.
+
+        `next_ids[i]` is the token after chunk position i: the next prompt token, or the
+        sampled first token for the prompt's last position.
+        """
+        size = self.prefill_chunk
         launch = LaunchInputs(
-            input_ids=torch.zeros(batch, 1, dtype=torch.long, device=self.device),
-            positions=torch.full(
-                (batch, 1), self.cache.scratch_position, dtype=torch.long, device=self.device
-            ),
-            slot_ids=torch.zeros(batch, dtype=torch.long, device=self.device),
-            logit_index=torch.zeros(batch, dtype=torch.long, device=self.device),
-            span=span,
-            window_start=None,
+            input_ids=self._tensor([next_ids + [0] * (size - len(next_ids))]),
+            positions=self._tensor([list(range(start, start + size))]),
+            slot_ids=self._tensor([slot]),
+            logit_index=self._tensor([[len(next_ids) - 1]]),
+            span=start + size,
+            window_start=slot if self.backend.reads_in_place else None,
         )
-        self.num_launches["decode"] += 1
-        return self.backend.run(launch)
+        return int(self.backend.draft(launch, hidden).argmax(-1)[0, 0])
+
+    def set_tail(self, slot: int, token: int, position: int, draft: int) -> None:
+        """Start a request's committed tail after its prompt."""
+        self.tail.token[slot], self.tail.position[slot], self.tail.draft[slot] = (
+            token,
+            position,
+            draft,
+        )
 
     def dummy_prefill(self, span: int | None = None) -> None:
         """A prefill launch that touches only scratch positions (lockstep filler)."""
@@ -91,12 +155,14 @@ class LaunchRunner:
             input_ids=self._tensor([[0] * self.prefill_chunk]),
             positions=self._tensor([[scratch] * self.prefill_chunk]),
             slot_ids=self._tensor([0]),
-            logit_index=self._tensor([0]),
+            logit_index=self._tensor([[0]]),
             span=span or self.prefill_chunk,
             window_start=0 if self.backend.reads_in_place else None,
         )
         self.num_launches["prefill"] += 1
         self.backend.run(launch)
+
+    # -- decode ---------------------------------------------------------------------------
 
     def decode(self, slots: list[int], token_ids: list[int], positions: list[int]) -> torch.Tensor:
         """One B`decode_batch`S1 launch for up to `decode_batch` rows; [len(slots), vocab] logits.
@@ -104,36 +170,117 @@ class LaunchRunner:
         Row r feeds `token_ids[r]` at `positions[r]` of slot `slots[r]`; padding rows write
         only to the scratch position.
         """
+        layout = self._layout(slots)
         batch = self.decode_batch
-        if len(slots) > batch:
-            raise ValueError(f"{len(slots)} rows exceed decode_batch={batch}")
-        window_start, row_of, slot_ids = self._layout(slots)
         ids = [0] * batch
         launch_positions = [self.cache.scratch_position] * batch
-        for row, token, position in zip(row_of, token_ids, positions):
+        for row, token, position in zip(layout.rows, token_ids, positions):
             ids[row], launch_positions[row] = token, position
-        context = max(positions) + 1 if positions else 1
         launch = LaunchInputs(
             input_ids=self._tensor(ids).view(batch, 1),
             positions=self._tensor(launch_positions).view(batch, 1),
-            slot_ids=self._tensor(slot_ids),
-            logit_index=torch.zeros(batch, dtype=torch.long, device=self.device),
-            span=self.span_for(context),
-            window_start=window_start,
+            slot_ids=self._tensor(layout.slot_ids),
+            logit_index=torch.zeros(batch, 1, dtype=torch.long, device=self.device),
+            span=self.span_for(max(positions) + 1 if positions else 1),
+            window_start=layout.window_start,
         )
         self.num_launches["decode"] += 1
-        logits = self.backend.run(launch)
-        return logits[self._tensor(row_of)] if slots else logits[:0]
+        logits = self.backend.run(launch).logits[:, 0]
+        return logits[self._tensor(layout.rows)] if slots else logits[:0]
 
-    def _layout(self, slots: list[int]) -> tuple[int | None, list[int], list[int]]:
+    def verify(self, slots: list[int], max_position: int) -> Verify:
+        """One B`decode_batch`S2 launch: each row feeds [last committed token, draft]."""
+        layout = self._layout(slots)
+        batch = self.decode_batch
+        rows = self._tensor(layout.rows)
+        slot_index = self._tensor(slots)
+        row_slots = torch.zeros(batch, dtype=torch.long, device=self.device)
+        row_slots[rows] = slot_index
+        real = torch.zeros(batch, dtype=torch.bool, device=self.device)
+        real[rows] = True
+        tokens = torch.stack((self.tail.token[row_slots], self.tail.draft[row_slots]), dim=1)
+        base = self.tail.position[row_slots]
+        positions = torch.stack((base, base + 1), dim=1)
+        span = self.span_for(max_position + 2)
+        launch = LaunchInputs(
+            input_ids=torch.where(real[:, None], tokens, 0),
+            positions=torch.where(real[:, None], positions, self.cache.scratch_position),
+            slot_ids=self._tensor(layout.slot_ids),
+            logit_index=self._tensor([[0, 1]] * batch),
+            span=span,
+            window_start=layout.window_start,
+        )
+        self.num_launches["decode"] += 1
+        out = self.backend.run(launch)
+        return Verify(
+            layout,
+            slot_index,
+            out.logits[rows],
+            out.hidden,
+            self.tail.draft[slot_index],
+            self.tail.position[slot_index],
+            span,
+        )
+
+    def commit(
+        self, verify: Verify, first: torch.Tensor, second: torch.Tensor, accepted: torch.Tensor
+    ) -> torch.Tensor:
+        """Run the MTP draft launch on what each row committed and scatter the new tails.
+
+        Row inputs: (hidden at the last committed position, first committed token) and, if
+        the draft was accepted, (hidden at the draft's position, second token). Returns the
+        new drafts.
+        """
+        batch = self.decode_batch
+        rows = self._tensor(verify.layout.rows)
+        next_ids = torch.zeros(batch, 2, dtype=torch.long, device=self.device)
+        next_ids[rows] = torch.stack((first, second), dim=1)
+        scratch = self.cache.scratch_position
+        positions = torch.full((batch, 2), scratch, dtype=torch.long, device=self.device)
+        positions[rows, 0] = verify.positions
+        positions[rows, 1] = torch.where(accepted, verify.positions + 1, scratch)
+        logit_index = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
+        logit_index[rows, 0] = accepted.long()
+        launch = LaunchInputs(
+            next_ids,
+            positions,
+            self._tensor(verify.layout.slot_ids),
+            logit_index,
+            verify.span,
+            verify.layout.window_start,
+        )
+        drafts = self.backend.draft(launch, verify.hidden)[rows, 0].argmax(-1)
+        self.tail.token[verify.slots] = torch.where(accepted, second, first)
+        self.tail.position[verify.slots] = verify.positions + 1 + accepted.long()
+        self.tail.draft[verify.slots] = drafts
+        return drafts
+
+    # -- layout ---------------------------------------------------------------------------
+
+    def _layout(self, slots: list[int]) -> Layout:
         """Rows on a window of consecutive slots where they fit, else gathered by slot id."""
         batch, num_slots = self.decode_batch, self.cache.num_slots
+        if len(slots) > batch:
+            raise ValueError(f"{len(slots)} rows exceed decode_batch={batch}")
         in_place = self.backend.reads_in_place
         if in_place and slots and num_slots >= batch and max(slots) - min(slots) < batch:
             start = min(min(slots), num_slots - batch)
-            return start, [s - start for s in slots], list(range(start, start + batch))
+            return Layout(start, [s - start for s in slots], list(range(start, start + batch)))
         padding = [slots[0] if slots else 0] * (batch - len(slots))
-        return None, list(range(len(slots))), list(slots) + padding
+        return Layout(None, list(range(len(slots))), list(slots) + padding)
+
+    def _padding_launch(self, seq: int, span: int) -> LaunchInputs:
+        batch = self.decode_batch
+        return LaunchInputs(
+            input_ids=torch.zeros(batch, seq, dtype=torch.long, device=self.device),
+            positions=torch.full(
+                (batch, seq), self.cache.scratch_position, dtype=torch.long, device=self.device
+            ),
+            slot_ids=torch.zeros(batch, dtype=torch.long, device=self.device),
+            logit_index=torch.zeros(batch, seq, dtype=torch.long, device=self.device),
+            span=span,
+            window_start=None,
+        )
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -24,6 +24,7 @@ def _signed(value: int) -> int:
 _GOLDEN = _signed(0x9E3779B97F4A7C15)
 _MIX1 = _signed(0xBF58476D1CE4E5B9)
 _MIX2 = _signed(0x94D049BB133111EB)
+_STREAM = _signed(0xD1B54A32D192ED03)  # separates independent draws of one (seed, index)
 
 
 @dataclass(slots=True)
@@ -43,18 +44,18 @@ class SamplingRows:
         return bool((self.temperature == 0).all())
 
 
-def uniform(seed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """splitmix64(seed, index) -> float64 in [0, 1); int64 arithmetic wraps like uint64."""
-    z = seed + (index + 1) * _GOLDEN
+def uniform(seed: torch.Tensor, index: torch.Tensor, stream: int = 0) -> torch.Tensor:
+    """splitmix64(seed, index, stream) -> float64 in [0, 1); int64 wraps like uint64."""
+    z = seed + (index + 1) * _GOLDEN + stream * _STREAM
     z = (z ^ _shift_right(z, 30)) * _MIX1
     z = (z ^ _shift_right(z, 27)) * _MIX2
     z = z ^ _shift_right(z, 31)
     return _shift_right(z, 11).double() / float(1 << 53)
 
 
-def uniform_reference(seed: int, index: int) -> float:
+def uniform_reference(seed: int, index: int, stream: int = 0) -> float:
     """The same draw in plain Python integers, to check the tensor version against."""
-    z = (seed + (index + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = (seed + (index + 1) * 0x9E3779B97F4A7C15 + stream * 0xD1B54A32D192ED03) & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     z ^= z >> 31
@@ -88,12 +89,16 @@ def sample(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     greedy = logits.argmax(dim=-1)
     if rows.all_greedy:
         return greedy
-    probs = filtered_probs(logits, rows).double()
-    cdf = probs.cumsum(dim=-1)
-    draw = uniform(rows.seed, rows.index) * cdf[:, -1]
-    picked = torch.searchsorted(cdf, draw[:, None], right=True).squeeze(-1)
-    picked = picked.clamp_max(probs.shape[-1] - 1)
+    picked = inverse_cdf(filtered_probs(logits, rows), uniform(rows.seed, rows.index))
     return torch.where(rows.temperature == 0, greedy, picked)
+
+
+def inverse_cdf(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
+    """Per row, the token whose cumulative probability interval holds `draws` (in [0, 1))."""
+    cdf = probs.double().cumsum(dim=-1)
+    target = draws * cdf[:, -1]
+    picked = torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1)
+    return picked.clamp_max(probs.shape[-1] - 1)
 
 
 def sampling_rows(
@@ -112,12 +117,6 @@ def sampling_rows(
         seed=column(seeds, torch.long),
         index=column(indices, torch.long),
     )
-
-
-def ban_tokens(logits: torch.Tensor, banned: dict[int, list[int]]) -> None:
-    """Make `banned[row]` tokens impossible in that row (min_tokens keeps EOS away)."""
-    for row, token_ids in banned.items():
-        logits[row, token_ids] = float("-inf")
 
 
 def token_logprobs(

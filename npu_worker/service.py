@@ -24,7 +24,6 @@ import torch
 from npu_worker.devices import resolve_device, set_cpu_threads
 from npu_worker.engine import RankEngine, StepOutput
 from npu_worker.loader import load_model, resolve_model_dir
-from npu_worker.model_config import UnsupportedModel
 from npu_worker.runner import LaunchRunner
 from schemas.codec import CodecError, decode, encode
 from schemas.config import Settings, add_settings_flags, settings_from_args
@@ -96,13 +95,15 @@ class Worker:
 
     def _load(self) -> RankEngine:
         settings = self.settings
-        if settings.mtp:
-            raise UnsupportedModel("--mtp: MTP decoding is not available in this version")
         device = resolve_device(settings.device)
         if device.type == "cpu":
             set_cpu_threads(settings.threads_per_rank, settings.ranks)
         loaded = load_model(
-            resolve_model_dir(settings.model), settings.dtype, device, settings.max_kv_len
+            resolve_model_dir(settings.model),
+            settings.dtype,
+            device,
+            settings.max_kv_len,
+            mtp=settings.mtp,
         )
         if self.rank == 0:
             self.redis.set(self.keys.tokenizer(settings.pool), loaded.tokenizer.to_str())

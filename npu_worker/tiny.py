@@ -18,7 +18,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from schemas.config import cache_dir
 
-TINY_VERSION = "tiny-v1"
+TINY_VERSION = "tiny-v2"
 BOS, EOS = "<|bos|>", "<|eos|>"
 TINY_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -81,7 +81,14 @@ def build_tiny_model(out: Path, vocab_size: int = 512, seed: int = 0) -> None:
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]})
     )
-    save_file(_random_weights(config, seed), str(out / "model.safetensors"))
+    weights = _random_weights(config, seed)
+    save_file(weights, str(out / "model.safetensors"))
+    from npu_worker.tiny_mtp import fit_mtp  # needs the main weights on disk first
+
+    weights |= fit_mtp(out, CORPUS, seed)
+    config["num_nextn_predict_layers"] = 1
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(weights, str(out / "model.safetensors"))
 
 
 def _train_tokenizer(vocab_size: int) -> Tokenizer:

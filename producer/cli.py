@@ -116,4 +116,10 @@ def status_main(argv: list[str]) -> int:
             f"steps {pool['steps']}, tokens {pool['tokens']}, "
             f"finished {pool['finished']}, rejected {pool['rejected']}"
         )
+        mtp = pool["mtp"]
+        if mtp["proposed"]:
+            console.print(
+                f"  MTP: {mtp['accepted']}/{mtp['proposed']} drafts accepted "
+                f"({mtp['acceptance']:.1%}), {mtp['tokens_per_row']:.2f} tokens per verify row"
+            )
     return 0

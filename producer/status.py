@@ -57,6 +57,20 @@ def pool_status(client: redis.Redis, keys: Keys, pool: str, now_ms: int) -> dict
         "tokens": _int(info, "tokens"),
         "finished": _int(info, "finished"),
         "rejected": _int(info, "rejected"),
+        "decode_launches": _int(info, "decode_launches"),
+        "padding_rows": _int(info, "padding_rows"),
+        "mtp": mtp_summary(_int(info, "mtp_proposed"), _int(info, "mtp_accepted")),
+    }
+
+
+def mtp_summary(proposed: int, accepted: int) -> dict[str, float]:
+    """Draft counts, acceptance rate and tokens committed per verify row."""
+    rate = accepted / proposed if proposed else 0.0
+    return {
+        "proposed": proposed,
+        "accepted": accepted,
+        "acceptance": round(rate, 4),
+        "tokens_per_row": round(1 + rate, 4) if proposed else 0.0,
     }
 
 

@@ -78,4 +78,6 @@ class StepResult(_Control):
     num_decode_rows: int = 0
     num_padding_rows: int = 0
     num_prefill_launches: int = 0
+    num_draft_proposed: int = 0
+    num_draft_accepted: int = 0
     exec_ms: float = 0.0

@@ -57,11 +57,11 @@ def test_decode_logits_are_bit_identical_whatever_span_or_layout(loaded: LoadedM
             torch.tensor(ids),
             torch.tensor(positions),
             torch.tensor(slots),
-            torch.zeros(4, dtype=torch.long),
+            torch.zeros(4, 1, dtype=torch.long),
             span,
             window,
         )
-        outputs.append(loaded.model(launch, runner.cache)[row])
+        outputs.append(loaded.model(launch, runner.cache).logits[row, 0])
     for other in outputs[1:]:
         assert torch.equal(outputs[0], other)
 

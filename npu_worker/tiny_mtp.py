@@ -1,0 +1,95 @@
+"""Fitting the tiny model's MTP module to the main model's own greedy continuations, so
+that its drafts are often right and the demo shows real acceptance."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer
+
+from npu_worker.loader import LoadedModel
+from npu_worker.model import CausalLM, LaunchInputs
+from npu_worker.model_config import ModelConfig
+from npu_worker.runner import LaunchRunner
+
+SEQUENCES, PROMPT_LEN, LENGTH, STEPS = 64, 8, 64, 100
+
+
+def fit_mtp(path: Path, corpus: list[str], seed: int = 0) -> dict[str, torch.Tensor]:
+    """Train fresh `mtp.*` weights against the main model in `path`; returns them."""
+    torch.manual_seed(seed)
+    config = ModelConfig.from_dir(path)
+    model = CausalLM(config, max_positions=LENGTH, with_mtp=True)
+    weights = {k: v for k, v in _load(path).items()}
+    model.load_state_dict(weights, strict=False)
+    _init_mtp(model, config)
+    tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    sequences, hidden = _greedy_data(model, config, tokenizer, corpus, seed)
+    optimizer = torch.optim.Adam(model.mtp.parameters(), lr=6e-3)  # type: ignore[union-attr]
+    positions = torch.arange(LENGTH).expand(SEQUENCES, LENGTH)
+    cos, sin = model.rope(positions)
+    launch = LaunchInputs(
+        sequences,
+        positions,
+        torch.arange(SEQUENCES),
+        torch.zeros(SEQUENCES, 1, dtype=torch.long),
+        LENGTH,
+        0,
+    )
+    for _ in range(STEPS):
+        next_tokens = torch.roll(sequences, -1, dims=1)
+        embedded = model.model.embed_tokens(next_tokens).detach()
+        out = model.mtp(hidden, embedded, cos, sin, launch, None)  # type: ignore[misc]
+        logits = model.lm_head(out[:, : LENGTH - 2])
+        loss = F.cross_entropy(logits.reshape(-1, config.vocab_size), sequences[:, 2:].reshape(-1))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return {f"mtp.{k}": v.detach().clone().contiguous() for k, v in model.mtp.state_dict().items()}  # type: ignore[union-attr]
+
+
+def _load(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
+def _init_mtp(model: CausalLM, config: ModelConfig) -> None:
+    for name, param in model.mtp.named_parameters():  # type: ignore[union-attr]
+        if name.endswith("weight") and param.dim() == 2:
+            torch.nn.init.normal_(param, std=param.shape[1] ** -0.5)
+    for param in [*model.model.parameters(), *model.lm_head.parameters()]:
+        param.requires_grad_(False)
+
+
+def _greedy_data(
+    model: CausalLM, config: ModelConfig, tokenizer: Tokenizer, corpus: list[str], seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy continuations of text and random prompts, and their final hidden states."""
+    rng = random.Random(seed)
+    loaded = LoadedModel(Path("."), config, model, tokenizer, torch.float32, torch.device("cpu"))
+    runner = LaunchRunner(loaded, SEQUENCES, LENGTH, LENGTH, SEQUENCES)
+    prompts = []
+    for i in range(SEQUENCES):
+        if i % 2:
+            ids = tokenizer.encode(rng.choice(corpus)).ids[:PROMPT_LEN]
+        else:
+            ids = [rng.randrange(2, config.vocab_size) for _ in range(PROMPT_LEN)]
+        prompts.append((ids + [rng.randrange(2, config.vocab_size)] * PROMPT_LEN)[:PROMPT_LEN])
+    tokens = [list(p) for p in prompts]
+    last = [int(runner.prefill(slot, p, 0).argmax()) for slot, p in enumerate(prompts)]
+    for step in range(LENGTH - PROMPT_LEN):
+        for seq, token in zip(tokens, last):
+            seq.append(token)
+        if step == LENGTH - PROMPT_LEN - 1:
+            break
+        positions = [len(seq) - 1 for seq in tokens]
+        last = runner.decode(list(range(SEQUENCES)), last, positions).argmax(-1).tolist()
+    sequences = torch.tensor(tokens)
+    hidden = torch.cat(
+        [runner.prefill_launch(slot, seq, 0).hidden for slot, seq in enumerate(tokens)]
+    )
+    return sequences, hidden.detach()
