@@ -9,6 +9,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from rich.console import Console
 from rich.live import Live
@@ -17,6 +18,7 @@ from rich.table import Table
 from producer.client import AsyncClient, Client
 from producer.embedded import EmbeddedRedis
 from producer.launcher import PoolProcesses
+from producer.status import pool_status
 from schemas.config import Settings, add_settings_flags, cache_dir, settings_from_args
 
 PROMPTS = [
@@ -109,7 +111,18 @@ async def _workload(
         await client.close()
 
 
-def _summary(rows: list[Row], wall_s: float, settings: Settings) -> Table:
+def _pool_stats(url: str, settings: Settings, num_requests: int) -> dict[str, Any]:
+    """The pool's counters once they include every demo request (they flush each second)."""
+    with Client(url, settings.namespace) as client:
+        deadline = time.monotonic() + 3 * settings.heartbeat_s
+        while True:
+            status = pool_status(client.redis, client.keys, settings.pool, 0)
+            if status["finished"] >= num_requests or time.monotonic() > deadline:
+                return status
+            time.sleep(0.1)
+
+
+def _summary(rows: list[Row], wall_s: float, settings: Settings, pool: dict[str, Any]) -> Table:
     tokens = sum(r.num_tokens for r in rows)
     ttft = sorted((r.first_token_at - r.submitted) * 1000 for r in rows if r.first_token_at)
     gaps = [(b - a) * 1000 for r in rows for a, b in zip(r.token_times, r.token_times[1:])]
@@ -117,9 +130,14 @@ def _summary(rows: list[Row], wall_s: float, settings: Settings) -> Table:
     for r in rows:
         reasons[r.finish_reason] = reasons.get(r.finish_reason, 0) + 1
     table = Table(title="summary", show_header=False)
+    mode = (
+        f"MTP verify B{settings.decode_batch}S2"
+        if settings.mtp
+        else (f"decode B{settings.decode_batch}S1")
+    )
     table.add_row(
         "pool",
-        f"{settings.ranks} ranks, decode B{settings.decode_batch}S1, "
+        f"{settings.ranks} ranks, {mode}, "
         f"prefill B1S{settings.prefill_chunk}, model {settings.model}",
     )
     table.add_row("requests", f"{len(rows)} ({', '.join(f'{k} {v}' for k, v in reasons.items())})")
@@ -130,6 +148,16 @@ def _summary(rows: list[Row], wall_s: float, settings: Settings) -> Table:
         table.add_row("TTFT p50 / max", f"{statistics.median(ttft):.0f} / {ttft[-1]:.0f} ms")
     if gaps:
         table.add_row("inter-token p50", f"{statistics.median(gaps):.1f} ms")
+    mtp = pool["mtp"]
+    if mtp["proposed"]:
+        per_launch = (mtp["proposed"] + mtp["accepted"]) / max(1, pool["decode_launches"])
+        table.add_row(
+            "MTP acceptance",
+            f"{mtp['acceptance']:.1%} ({mtp['accepted']}/{mtp['proposed']} drafts)",
+        )
+        table.add_row(
+            "tokens per verify", f"{mtp['tokens_per_row']:.2f} per row, {per_launch:.2f} per launch"
+        )
     return table
 
 
@@ -165,7 +193,8 @@ def main(argv: list[str]) -> int:
             row.submitted = started
         asyncio.run(_workload(url, settings, rows, args.max_tokens, console))
         console.print()
-        console.print(_summary(rows, time.monotonic() - started, settings))
+        wall_s = time.monotonic() - started
+        console.print(_summary(rows, wall_s, settings, _pool_stats(url, settings, len(rows))))
         ok = all(r.finish_reason in ("stop", "length") for r in rows)
     finally:
         with console.status("shutting down"):
@@ -178,5 +207,5 @@ def main(argv: list[str]) -> int:
 
 def _demo_defaults(args: argparse.Namespace) -> dict[str, object]:
     """The demo's own defaults, for settings not given as flags."""
-    defaults: dict[str, object] = {"ranks": 2, "pool": "demo", "decode_batch": 8}
+    defaults: dict[str, object] = {"ranks": 2, "pool": "demo", "mtp": True, "decode_batch": 4}
     return {k: v for k, v in defaults.items() if getattr(args, k, None) is None}
