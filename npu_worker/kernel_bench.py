@@ -53,13 +53,32 @@ def _decode_call(runner: LaunchRunner, position: int) -> Callable[[], Any]:
     return lambda: runner.decode(slots, tokens, positions).argmax(-1)
 
 
+def _verify_call(runner: LaunchRunner, position: int) -> Callable[[], Any]:
+    """A full MTP verify launch, greedy acceptance, and the draft launch after it."""
+    batch = runner.decode_batch
+    slots = list(range(batch))
+
+    def call() -> None:
+        for slot in slots:
+            runner.set_tail(slot, 5, position, 6)
+        verify = runner.verify(slots, position)
+        first = verify.logits[:, 0].argmax(-1)
+        runner.commit(verify, first, verify.logits[:, 1].argmax(-1), first == verify.drafts)
+
+    return call
+
+
 def measure(settings: Settings, iters: int) -> dict[str, Any]:
     """Launch latencies and the back-to-back decode ceiling for one configuration."""
     device = resolve_device(settings.device)
     if device.type == "cpu":
         set_cpu_threads(settings.threads_per_rank, settings.ranks)
     loaded = load_model(
-        resolve_model_dir(settings.model), settings.dtype, device, settings.max_kv_len
+        resolve_model_dir(settings.model),
+        settings.dtype,
+        device,
+        settings.max_kv_len,
+        mtp=settings.mtp,
     )
     batch, chunk = settings.decode_batch, settings.prefill_chunk
     runner = LaunchRunner(
@@ -78,6 +97,16 @@ def measure(settings: Settings, iters: int) -> dict[str, Any]:
                 "min_ms": min(ms),
             }
         )
+        if runner.mtp:
+            ms = _timed(_verify_call(runner, span - 2), device, iters)
+            launches.append(
+                {
+                    "launch": f"verify+draft B{batch}S2",
+                    "span": span,
+                    "p50_ms": statistics.median(ms),
+                    "min_ms": min(ms),
+                }
+            )
         ms = _timed(_decode_call(runner, span - 1), device, iters)
         launches.append(
             {
@@ -131,11 +160,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{result['model']} on {result['device']} ({result['backend']}, {result['dtype']}, "
         f"{result['threads']} threads)"
     )
-    print(f"{'launch':<16}{'span':>6}{'p50 ms':>10}{'min ms':>10}{'tokens/s':>12}")
+    print(f"{'launch':<20}{'span':>6}{'p50 ms':>10}{'min ms':>10}{'tokens/s':>12}")
     for row in result["launches"]:
         rate = f"{row['tokens_per_s']:.0f}" if "tokens_per_s" in row else ""
         print(
-            f"{row['launch']:<16}{row['span']:>6}{row['p50_ms']:>10.3f}{row['min_ms']:>10.3f}"
+            f"{row['launch']:<20}{row['span']:>6}{row['p50_ms']:>10.3f}{row['min_ms']:>10.3f}"
             f"{rate:>12}"
         )
     ceiling = result["ceiling"]
