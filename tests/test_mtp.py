@@ -192,3 +192,43 @@ def test_sampled_tokens_with_mtp_follow_the_same_distribution(with_mtp: LoadedMo
     # chi-square critical value at alpha = 0.001 (Wilson-Hilferty approximation)
     critical = df * (1 - 2 / (9 * df) + 3.09 * math.sqrt(2 / (9 * df))) ** 3
     assert df >= 2 and chi2 < critical, (chi2, critical, plain, drafted)
+
+
+@pytest.mark.parametrize(("prompt_len", "max_tokens", "expected"), [(150, 50, 10), (5, 7, 7)])
+def test_mtp_never_overruns_max_model_len_or_max_tokens(
+    with_mtp: LoadedModel, prompt_len: int, max_tokens: int, expected: int
+) -> None:
+    runner = LaunchRunner(with_mtp, 8, 256, 128, 4)
+    engine = RankEngine(runner, with_mtp.tokenizer, (), max_model_len=160)
+    prompt = random_prompt(random.Random(prompt_len), prompt_len, 512)
+    new = NewRequest(
+        request_id="edge",
+        slot=0,
+        prompt_token_ids=prompt,
+        num_prompt_tokens=prompt_len,
+        result_ttl_s=60,
+        sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+    )
+    chunks = [
+        PrefillChunk(slot=0, start=s, num_tokens=min(128, prompt_len - s))
+        for s in range(0, prompt_len, 128)
+    ]
+    plans = [RankStepPlan(epoch=1, step=1, rank=0, new_requests=[new], prefill=chunks[:1])]
+    plans += [
+        RankStepPlan(epoch=1, step=2 + i, rank=0, prefill=[c]) for i, c in enumerate(chunks[1:])
+    ]
+    tokens: list[int] = []
+    finals = []
+    for plan in plans:
+        for chunk, _ in engine.execute(plan).chunks:
+            tokens += chunk.token_ids
+            finals.append(chunk.finish_reason)
+    step = 10
+    while engine.slots:
+        for chunk, _ in engine.execute(
+            RankStepPlan(epoch=1, step=step, rank=0, decode_launches=[[0]])
+        ).chunks:
+            tokens += chunk.token_ids
+            finals.append(chunk.finish_reason)
+        step += 1
+    assert len(tokens) == expected and finals[-1] == "length"
