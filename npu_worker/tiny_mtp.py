@@ -20,6 +20,11 @@ SEQUENCES, PROMPT_LEN, LENGTH, STEPS = 64, 8, 64, 100
 
 def fit_mtp(path: Path, corpus: list[str], seed: int = 0) -> dict[str, torch.Tensor]:
     """Train fresh `mtp.*` weights against the main model in `path`; returns them."""
+    with torch.enable_grad():  # callers (a worker) may have turned autograd off
+        return _fit(path, corpus, seed)
+
+
+def _fit(path: Path, corpus: list[str], seed: int) -> dict[str, torch.Tensor]:
     torch.manual_seed(seed)
     config = ModelConfig.from_dir(path)
     model = CausalLM(config, max_positions=LENGTH, with_mtp=True)
