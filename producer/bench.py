@@ -1,20 +1,339 @@
-"""`npu-pool bench`: benchmarks. `--kernels` runs the fixed launches back-to-back in a
-separate process (this one never imports torch)."""
+"""`npu-pool bench`: the serving benchmark, with the kernel ceiling and the peers measured in
+the same run on the same model and machine (DESIGN §10).
+
+    npu-pool bench [--quick] [--json out.json] [--plot out.png] [settings flags]
+    npu-pool bench --kernels [...]        the launch microbenchmark alone
+
+The pool runs on a private embedded Redis. The ceiling and the peers run in their own
+processes (this one never imports torch); the peers need the `bench` extra.
+"""
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import json
 import subprocess
 import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from producer.client import Client
+from producer.embedded import EmbeddedRedis
+from producer.launcher import PoolProcesses
+from producer.loadgen import Workload, run_workload, summarise
+from producer.status import pool_status
+from schemas.config import Settings, add_settings_flags, settings_from_args
 
 
 def main(argv: list[str]) -> int:
-    """Dispatch to the kernel microbenchmark; the serving benchmark comes with its own flags."""
+    """Run the benchmark and print the report; `--kernels` runs the microbenchmark alone."""
     if "--kernels" in argv:
         rest = [a for a in argv if a != "--kernels"]
         return subprocess.call([sys.executable, "-m", "npu_worker.kernel_bench", *rest])
-    print(
-        "npu-pool bench: only the kernel microbenchmark is available: npu-pool bench "
-        "--kernels [--json out.json] [--iters N] [settings flags]",
-        file=sys.stderr,
+    parser = argparse.ArgumentParser(prog="npu-pool bench", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="small run, a few minutes")
+    parser.add_argument("--json", type=Path, default=None, help="write the report here")
+    parser.add_argument("--plot", type=Path, default=None, help="write a PNG plot here")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=None)
+    parser.add_argument("--requests", type=int, default=None, help="requests per load level")
+    parser.add_argument("--prompt-len", type=int, nargs=2, default=[32, 96])
+    parser.add_argument("--output-len", type=int, nargs=2, default=[48, 80])
+    parser.add_argument("--peer-requests", type=int, default=None)
+    parser.add_argument("--no-peers", action="store_true", help="skip the transformers peers")
+    parser.add_argument("--slo-ttft-ms", type=float, default=1000.0)
+    parser.add_argument("--slo-tpot-ms", type=float, default=100.0)
+    add_settings_flags(parser)
+    args = parser.parse_args(argv)
+    try:
+        settings = settings_from_args(
+            args, **{k: v for k, v in {"pool": "bench"}.items() if getattr(args, k) is None}
+        )
+    except ValueError as exc:
+        print(f"npu-pool bench: {exc}", file=sys.stderr)
+        return 2
+    levels = args.concurrency or ([1, 8, 64] if args.quick else [1, 4, 16, 64, 128])
+    per_level = args.requests or (64 if args.quick else 256)
+    report = run(settings, args, levels, per_level)
+    print_report(report)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
+    if args.plot:
+        plot(report, args.plot)
+    return 0
+
+
+def run(
+    settings: Settings, args: argparse.Namespace, levels: list[int], per_level: int
+) -> dict[str, Any]:
+    """Pool at each load level, then the ceiling and the peers, then the ratios."""
+    workdir = Path(tempfile.mkdtemp(prefix="npupool-bench-"))
+    server = EmbeddedRedis(data_dir=workdir / "redis")
+    url = server.start()
+    processes = PoolProcesses(
+        settings.model_copy(update={"redis_url": url}), url, log_dir=workdir / "logs"
     )
-    return 2
+    report: dict[str, Any] = {"settings": settings.model_dump(exclude={"redis_url"}), "levels": []}
+    try:
+        processes.start()
+        with Client(url, settings.namespace) as client:
+            client.wait_ready(timeout_s=600, pool=settings.pool)
+            for level in levels:
+                before = pool_status(client.redis, client.keys, settings.pool, 0)
+                workload = Workload(
+                    per_level,
+                    tuple(args.prompt_len),
+                    tuple(args.output_len),
+                    concurrency=level,
+                    seed=level,
+                )
+                traces, wall = asyncio.run(run_workload(url, settings.namespace, workload))
+                summary = summarise(traces, wall, args.slo_ttft_ms, args.slo_tpot_ms)
+                summary["concurrency"] = level
+                summary |= _pool_counters(client, settings, before)
+                report["levels"].append(summary)
+                print(
+                    f"  concurrency {level:>4}: {summary['output_tokens_per_s']:8.0f} tokens/s,"
+                    f" TTFT p50 {summary['ttft_ms']['p50']:.0f} ms",
+                    file=sys.stderr,
+                )
+        processes.stop(timeout_s=30)
+        report["ceiling"] = _kernel_ceiling(settings)
+        if not args.no_peers:
+            peer_requests = args.peer_requests or (16 if args.quick else 64)
+            report["rq_peer"] = _rq_peer(url, settings, args, peer_requests)
+            report["offline_peer"] = _offline_peer(settings, args)
+    finally:
+        processes.stop(timeout_s=30)
+        server.stop()
+    report["ratios"] = ratios(report)
+    return report
+
+
+def _pool_counters(client: Client, settings: Settings, before: dict[str, Any]) -> dict[str, Any]:
+    time.sleep(settings.heartbeat_s * 1.5)  # counters flush once per heartbeat
+    after = pool_status(client.redis, client.keys, settings.pool, 0)
+    launches = after["decode_launches"] - before["decode_launches"]
+    padding = after["padding_rows"] - before["padding_rows"]
+    proposed = after["mtp"]["proposed"] - before["mtp"]["proposed"]
+    accepted = after["mtp"]["accepted"] - before["mtp"]["accepted"]
+    return {
+        "decode_launches": launches,
+        "padding_waste": padding / (launches * settings.decode_batch) if launches else 0.0,
+        "mtp_acceptance": accepted / proposed if proposed else None,
+        "tokens_per_verify_launch": (proposed + accepted) / launches
+        if proposed and launches
+        else None,
+    }
+
+
+def _worker_threads(settings: Settings) -> int:
+    cores = len(__import__("os").sched_getaffinity(0))
+    return settings.threads_per_rank or max(1, (cores - 1) // settings.ranks)
+
+
+def _kernel_ceiling(settings: Settings) -> dict[str, Any]:
+    out = Path(tempfile.mkdtemp()) / "kernels.json"
+    flags = [a for a in settings.service_args() if a != "--mtp"] + ["--no-mtp"]
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "npu_worker.kernel_bench",
+            "--json",
+            str(out),
+            "--iters",
+            "100",
+            *flags,
+            "--threads-per-rank",
+            str(_worker_threads(settings)),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    result = json.loads(out.read_text())
+    ceiling = result["ceiling"]
+    return {
+        "output_tokens_per_s_per_rank": ceiling["tokens_per_s"],
+        "output_tokens_per_s": ceiling["tokens_per_s"] * settings.ranks,
+        "ms_per_launch": ceiling["ms_per_launch"],
+        "launches": result["launches"],
+    }
+
+
+def _rq_peer(
+    url: str, settings: Settings, args: argparse.Namespace, num_requests: int
+) -> dict[str, Any]:
+    """One RQ job per request, one RQ worker per rank, the same greedy generation."""
+    import redis
+    from rq import Queue
+    from rq.serializers import JSONSerializer
+
+    model_dir = _model_dir(settings)
+    server_client = redis.Redis.from_url(url)
+    queue = Queue("npupool-peer", connection=server_client, serializer=JSONSerializer)
+    workers = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "npu_worker.peers",
+                "rq-worker",
+                "--redis-url",
+                url,
+                "--model",
+                model_dir,
+                "--threads",
+                str(_worker_threads(settings)),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for _ in range(settings.ranks)
+    ]
+    try:
+        warm = queue.enqueue("npu_worker.peers.rq_generate", model_dir, [5, 6], 2)
+        _wait_jobs([warm], timeout_s=600)
+        workload = Workload(num_requests, tuple(args.prompt_len), tuple(args.output_len), seed=0)
+        started = time.monotonic()
+        jobs = [
+            queue.enqueue(
+                "npu_worker.peers.rq_generate", model_dir, prompt, max_tokens, job_timeout=3600
+            )
+            for prompt, max_tokens in workload.requests()
+        ]
+        _wait_jobs(jobs, timeout_s=3600)
+        wall = time.monotonic() - started
+        tokens = sum(len(job.return_value() or []) for job in jobs)
+    finally:
+        for worker in workers:
+            worker.terminate()
+            worker.wait()
+        server_client.close()
+    return {
+        "requests": num_requests,
+        "workers": settings.ranks,
+        "wall_s": wall,
+        "output_tokens_per_s": tokens / wall,
+    }
+
+
+def _wait_jobs(jobs: list[Any], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not all(job.is_finished or job.is_failed for job in jobs):
+        if time.monotonic() > deadline:
+            raise TimeoutError("RQ peer jobs did not finish")
+        time.sleep(0.05)
+        for job in jobs:
+            job.refresh()
+
+
+def _offline_peer(settings: Settings, args: argparse.Namespace) -> dict[str, Any]:
+    prompt_len = sum(args.prompt_len) // 2
+    max_tokens = sum(args.output_len) // 2
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "npu_worker.peers",
+            "offline",
+            "--model",
+            _model_dir(settings),
+            "--batch",
+            str(settings.decode_batch),
+            "--prompt-len",
+            str(prompt_len),
+            "--max-tokens",
+            str(max_tokens),
+            "--threads",
+            str(_worker_threads(settings) * settings.ranks),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _model_dir(settings: Settings) -> str:
+    if settings.model != "tiny":
+        return settings.model
+    from schemas.config import cache_dir
+
+    return str(cache_dir() / "models" / "tiny-v2")
+
+
+def ratios(report: dict[str, Any]) -> dict[str, float | None]:
+    """The pool against the ceiling (at saturation) and the peers."""
+    levels = report["levels"]
+    best = max(level["output_tokens_per_s"] for level in levels)
+    at_64 = next((lv["output_tokens_per_s"] for lv in levels if lv["concurrency"] == 64), best)
+    out: dict[str, float | None] = {
+        "pool_over_ceiling": best / report["ceiling"]["output_tokens_per_s"]
+    }
+    if "rq_peer" in report:
+        out["pool_over_rq_peer_at_64"] = at_64 / report["rq_peer"]["output_tokens_per_s"]
+    if "offline_peer" in report:
+        out["pool_over_offline_peer"] = best / report["offline_peer"]["output_tokens_per_s"]
+    return out
+
+
+def print_report(report: dict[str, Any]) -> None:
+    """The levels table, the comparison and the ratios."""
+    print(
+        f"{'conc':>5}{'tok/s':>9}{'req/s':>8}{'TTFT p50':>10}{'p99':>8}{'TPOT p50':>10}"
+        f"{'ITL p99':>9}{'e2e p50':>9}{'goodput':>9}{'pad':>6}"
+    )
+    for lv in report["levels"]:
+        print(
+            f"{lv['concurrency']:>5}{lv['output_tokens_per_s']:>9.0f}"
+            f"{lv['requests_per_s']:>8.1f}{lv['ttft_ms']['p50']:>10.0f}{lv['ttft_ms']['p99']:>8.0f}"
+            f"{lv['tpot_ms']['p50']:>10.1f}{lv['itl_ms']['p99']:>9.1f}{lv['e2e_ms']['p50']:>9.0f}"
+            f"{lv['goodput_requests_per_s']:>9.1f}{lv['padding_waste']:>6.0%}"
+        )
+    print(f"kernel ceiling: {report['ceiling']['output_tokens_per_s']:.0f} tokens/s")
+    for peer in ("rq_peer", "offline_peer"):
+        if peer in report:
+            print(f"{peer.replace('_', ' ')}: {report[peer]['output_tokens_per_s']:.0f} tokens/s")
+    for name, value in report["ratios"].items():
+        print(f"{name}: {value:.2f}x" if value is not None else f"{name}: n/a")
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    """Throughput and latency against load, with the ceiling and peers as lines."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(
+            "npu-pool bench: matplotlib is not installed; no plot (pip install 'npu-pool[bench]')",
+            file=sys.stderr,
+        )
+        return
+    levels = report["levels"]
+    x = [lv["concurrency"] for lv in levels]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    left.plot(x, [lv["output_tokens_per_s"] for lv in levels], "o-", label="npu-pool")
+    left.axhline(report["ceiling"]["output_tokens_per_s"], ls="--", c="k", label="kernel ceiling")
+    for peer, style in (("rq_peer", ":"), ("offline_peer", "-.")):
+        if peer in report:
+            left.axhline(
+                report[peer]["output_tokens_per_s"],
+                ls=style,
+                c="gray",
+                label=peer.replace("_", " "),
+            )
+    left.set(xscale="log", xlabel="concurrent requests", ylabel="output tokens/s")
+    left.legend()
+    for key, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("e2e_ms", "end-to-end")):
+        right.plot(x, [lv[key]["p50"] for lv in levels], "o-", label=f"{label} p50")
+    right.set(xscale="log", yscale="log", xlabel="concurrent requests", ylabel="ms")
+    right.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
