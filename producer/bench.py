@@ -109,8 +109,24 @@ def run(
     finally:
         processes.stop(timeout_s=30)
         server.stop()
+    report["planner_us_per_step"] = _planner_us()
     report["ratios"] = ratios(report)
     return report
+
+
+def _planner_us() -> float:
+    """Time the planner in a child process (the batcher's code, imported on its own)."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from batcher.planbench import microseconds_per_step as m; print(m())",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return float(done.stdout.strip())
 
 
 def _pool_counters(client: Client, settings: Settings, before: dict[str, Any]) -> dict[str, Any]:
@@ -295,6 +311,10 @@ def print_report(report: dict[str, Any]) -> None:
             f"{lv['goodput_requests_per_s']:>9.1f}{lv['padding_waste']:>6.0%}"
         )
     print(f"kernel ceiling: {report['ceiling']['output_tokens_per_s']:.0f} tokens/s")
+    print(
+        f"planner: {report['planner_us_per_step']:.0f} us per step "
+        "(64 running + 64 waiting, 8 ranks)"
+    )
     for peer in ("rq_peer", "offline_peer"):
         if peer in report:
             print(f"{peer.replace('_', ' ')}: {report[peer]['output_tokens_per_s']:.0f} tokens/s")
