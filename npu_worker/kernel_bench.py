@@ -17,8 +17,7 @@ from typing import Any
 
 import torch
 
-from npu_worker.devices import resolve_device, set_cpu_threads
-from npu_worker.loader import load_model, resolve_model_dir
+from npu_worker.loader import load_for
 from npu_worker.runner import LaunchRunner
 from schemas.config import Settings, add_settings_flags, settings_from_args
 
@@ -70,16 +69,8 @@ def _verify_call(runner: LaunchRunner, position: int) -> Callable[[], Any]:
 
 def measure(settings: Settings, iters: int) -> dict[str, Any]:
     """Launch latencies and the back-to-back decode ceiling for one configuration."""
-    device = resolve_device(settings.device)
-    if device.type == "cpu":
-        set_cpu_threads(settings.threads_per_rank, settings.ranks)
-    loaded = load_model(
-        resolve_model_dir(settings.model),
-        settings.dtype,
-        device,
-        settings.max_kv_len,
-        mtp=settings.mtp,
-    )
+    loaded = load_for(settings)
+    device = loaded.device
     batch, chunk = settings.decode_batch, settings.prefill_chunk
     runner = LaunchRunner(
         loaded, max(settings.kv_slots_per_rank, batch), settings.max_kv_len, chunk, batch

@@ -12,6 +12,7 @@ from tokenizers import Tokenizer
 
 from npu_worker.model import CausalLM
 from npu_worker.model_config import ModelConfig, UnsupportedModel
+from schemas.config import Settings
 
 DTYPES = {
     "float32": torch.float32,
@@ -113,3 +114,19 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
     for name in files:
         state.update(load_file(str(path / name)))
     return state
+
+
+def load_for(settings: Settings) -> LoadedModel:
+    """The configured model on the configured device (CPU threads sized per rank)."""
+    from npu_worker.devices import resolve_device, set_cpu_threads
+
+    device = resolve_device(settings.device)
+    if device.type == "cpu":
+        set_cpu_threads(settings.threads_per_rank, settings.ranks)
+    return load_model(
+        resolve_model_dir(settings.model),
+        settings.dtype,
+        device,
+        settings.max_kv_len,
+        mtp=settings.mtp,
+    )

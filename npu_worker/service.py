@@ -21,9 +21,8 @@ import uuid
 import redis
 import torch
 
-from npu_worker.devices import resolve_device, set_cpu_threads
 from npu_worker.engine import RankEngine, StepOutput
-from npu_worker.loader import load_model, resolve_model_dir
+from npu_worker.loader import load_for
 from npu_worker.runner import LaunchRunner
 from schemas.codec import CodecError, decode, encode
 from schemas.config import Settings, add_settings_flags, settings_from_args
@@ -95,16 +94,8 @@ class Worker:
 
     def _load(self) -> RankEngine:
         settings = self.settings
-        device = resolve_device(settings.device)
-        if device.type == "cpu":
-            set_cpu_threads(settings.threads_per_rank, settings.ranks)
-        loaded = load_model(
-            resolve_model_dir(settings.model),
-            settings.dtype,
-            device,
-            settings.max_kv_len,
-            mtp=settings.mtp,
-        )
+        loaded = load_for(settings)
+        device = loaded.device
         if self.rank == 0:
             self.redis.set(self.keys.tokenizer(settings.pool), loaded.tokenizer.to_str())
         self.redis.hset(

@@ -55,7 +55,7 @@ def main(argv: list[str]) -> int:
         print(f"npu-pool bench: {exc}", file=sys.stderr)
         return 2
     levels = args.concurrency or ([1, 8, 64] if args.quick else [1, 4, 16, 64, 128])
-    per_level = args.requests or (64 if args.quick else 256)
+    per_level = args.requests or (64 if args.quick else 160)
     report = run(settings, args, levels, per_level)
     print_report(report)
     if args.json:

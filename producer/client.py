@@ -117,19 +117,20 @@ class Client:
 
 
 class AsyncClient:
-    """The asyncio mirror of `Client`."""
+    """The asyncio mirror of `Client`; each live `stream` holds one pooled connection."""
 
     def __init__(
         self,
         redis_url: str | None = None,
         namespace: str | None = None,
         max_queue: int | None = None,
+        max_connections: int = 4096,
     ) -> None:
         settings = Settings()
         self.keys = Keys(namespace or settings.namespace)
         self.max_queue = max_queue or settings.max_queue
         self.url = resolve_redis_url(redis_url or settings.redis_url)
-        self.redis = aioredis.Redis.from_url(self.url)
+        self.redis = aioredis.Redis.from_url(self.url, max_connections=max_connections)
         self._admit = self.redis.register_script(ADMIT_SCRIPT)
 
     async def submit(

@@ -133,3 +133,22 @@ def test_producer_gets_a_clear_error_not_a_hang_when_redis_is_gone(tmp_path) -> 
     with pytest.raises(redis.ConnectionError):
         list(client.stream(request_id, timeout_s=5))
     client.close()
+
+
+def test_serving_benchmark_reports_levels_ceiling_and_ratios(tmp_path) -> None:
+    out = tmp_path / "bench.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "schemas.cli", "bench", "--concurrency", "1", "4", "--requests",
+         "6", "--output-len", "4", "8", "--prompt-len", "3", "9", "--no-peers", "--device",
+         "cpu", "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert [lv["concurrency"] for lv in report["levels"]] == [1, 4]
+    for level in report["levels"]:
+        assert level["requests"] == 6
+        assert 6 * 4 <= level["output_tokens"] <= 6 * 8
+        assert 0 < level["ttft_ms"]["p50"] <= level["ttft_ms"]["p99"]
+    assert report["ceiling"]["output_tokens_per_s"] > 0
+    assert report["planner_us_per_step"] > 0
+    assert set(report["ratios"]) == {"pool_over_ceiling"}
+    assert "pool_over_ceiling" in done.stdout
