@@ -1,9 +1,12 @@
 """Soak: thousands of requests with random cancels and a worker kill every minute.
 
 Reports requests submitted, completed, cancelled, lost (must be 0) and duplicated tokens
-(must be 0), after checking every result stream's chunks. Not part of CI:
+(must be 0), after checking every result stream's chunks; and memory: each worker's RSS
+after warm-up and at the end, and Redis's used memory before, at the end, and once the
+result streams have expired. Not part of CI:
 
     python bench/soak.py --requests 3000 --kill-every 60 --json bench/out/soak.json
+    python bench/soak.py --requests 10000 --kill-every 0 --result-ttl 20   # memory soak
 """
 
 from __future__ import annotations
@@ -58,6 +61,23 @@ def audit(client: Client, request_ids: list[str]) -> dict[str, int]:
     return counts
 
 
+def _worker_rss(processes: PoolProcesses) -> dict[str, int]:
+    """Resident memory of each live worker process, in MiB (from /proc)."""
+    rss = {}
+    for child in processes.children[1:]:
+        if child.process is None or child.process.poll() is not None:
+            continue
+        for line in Path(f"/proc/{child.process.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                rss[child.name] = int(line.split()[1]) // 1024
+    return rss
+
+
+def _redis_memory(client: Client) -> float:
+    """Redis `used_memory` in MiB."""
+    return round(int(client.redis.info("memory")["used_memory"]) / 2**20, 2)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--requests", type=int, default=3000)
@@ -66,6 +86,7 @@ def main() -> None:
     parser.add_argument("--cancel-rate", type=float, default=0.1)
     parser.add_argument("--kill-every", type=float, default=60.0, help="seconds between kills")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--result-ttl", type=int, default=3600, help="result stream TTL, s")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     rng = random.Random(args.seed)
@@ -73,6 +94,7 @@ def main() -> None:
     server = EmbeddedRedis(data_dir=workdir / "redis")
     url = server.start()
     settings = Settings(
+        result_ttl_s=args.result_ttl,
         redis_url=url,
         ranks=args.ranks,
         max_num_seqs=64,
@@ -89,7 +111,7 @@ def main() -> None:
         last_kill = time.monotonic()
         while not stop.wait(0.1):
             processes.supervise()
-            if time.monotonic() - last_kill >= args.kill_every:
+            if args.kill_every and time.monotonic() - last_kill >= args.kill_every:
                 victim = f"rank{rng.randrange(args.ranks)}"
                 try:
                     processes.kill(victim)
@@ -101,6 +123,8 @@ def main() -> None:
     threading.Thread(target=supervise_and_kill, daemon=True).start()
     client = Client(url)
     client.wait_ready(timeout_s=300)
+    redis_baseline = _redis_memory(client)
+    rss_start: dict[str, int] = {}
     started = time.monotonic()
     ids: list[str] = []
     cancels = 0
@@ -117,6 +141,8 @@ def main() -> None:
                     max_tokens=rng.randrange(8, 96),
                 )
             )
+            if len(ids) == 500:  # warmed up: every launch shape and allocator pool used
+                rss_start = _worker_rss(processes)
             if rng.random() < args.cancel_rate:
                 client.cancel(rng.choice(ids[-50:]))
                 cancels += 1
@@ -124,12 +150,23 @@ def main() -> None:
         while client.redis.xlen(keys.requests) and time.monotonic() < deadline:
             time.sleep(0.5)
         elapsed = time.monotonic() - started
+        rss_end = _worker_rss(processes)
+        redis_end = _redis_memory(client)
+        time.sleep(args.result_ttl + 2)
+        redis_expired = _redis_memory(client)
         report = {
             "submitted": len(ids),
             "cancels_sent": cancels,
             "worker_kills": len(kills),
             "seconds": round(elapsed, 1),
             **audit(client, ids),
+            "worker_rss_mb_after_warmup": rss_start,
+            "worker_rss_mb_end": rss_end,
+            "redis_used_mb": {
+                "baseline": redis_baseline,
+                "end": redis_end,
+                "after_expiry": redis_expired,
+            },
         }
     finally:
         stop.set()

@@ -35,11 +35,11 @@ class LoadedModel:
 
 
 def resolve_model_dir(model: str) -> Path:
-    """`tiny` builds (once) and returns the tiny model; anything else is a local directory."""
-    if model == "tiny":
-        from npu_worker.tiny import ensure_tiny_model
+    """A preset (`tiny`, `small`) is built once; anything else is a local directory."""
+    if model in ("tiny", "small"):
+        from npu_worker.tiny import ensure_preset
 
-        return ensure_tiny_model()
+        return ensure_preset(model)
     path = Path(model).expanduser()
     if not path.is_dir():
         raise UnsupportedModel(

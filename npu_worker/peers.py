@@ -19,16 +19,18 @@ from typing import Any
 
 import torch
 
+from npu_worker.loader import resolve_model_dir
+
 RQ_QUEUE = "npupool-peer"
 
 
 @lru_cache(maxsize=2)
-def hf_model(model_dir: str) -> Any:
-    """The checkpoint as a transformers model, loaded once per process."""
+def hf_model(model: str) -> Any:
+    """The checkpoint (a directory or a preset name) as a transformers model, loaded once."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    return model.eval()
+    path = resolve_model_dir(model)
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
 def rq_generate(model_dir: str, prompt_ids: list[int], max_tokens: int) -> list[int]:

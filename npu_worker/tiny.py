@@ -1,7 +1,11 @@
-"""`--model tiny`: a small deterministic random Llama with a byte-level BPE tokenizer.
+"""Built-in model presets: deterministic random Llamas with a byte-level BPE tokenizer.
 
-Written once as an ordinary Hugging Face-style directory under the cache dir and loaded
-through the same loader as any other model.
+- `tiny` (~0.1M parameters, with an MTP module fitted to its own greedy continuations):
+  what the demo and the tests run.
+- `small` (~100M parameters, no MTP): a heavier model for benchmarks.
+
+Each is written once as an ordinary Hugging Face-style directory under the cache dir and
+loaded through the same loader as any other model.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from schemas.config import cache_dir
 
 TINY_VERSION = "tiny-v2"
+SMALL_VERSION = "small-v1"
 BOS, EOS = "<|bos|>", "<|eos|>"
 TINY_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -36,6 +41,16 @@ TINY_CONFIG = {
     "torch_dtype": "float32",
     "hidden_act": "silu",
 }
+SMALL_CONFIG = dict(
+    TINY_CONFIG,
+    hidden_size=768,
+    intermediate_size=2048,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    num_key_value_heads=4,
+    head_dim=64,
+)
+SMALL_VOCAB = 16384
 CORPUS = [
     "The pool reads requests from a stream and answers on another stream.",
     "Every request gets exactly one final chunk, and nothing accepted is lost.",
@@ -50,17 +65,26 @@ CORPUS = [
 
 def ensure_tiny_model(root: Path | None = None) -> Path:
     """Path of the tiny model directory, building it first if it is not there yet."""
+    return ensure_preset("tiny", root)
+
+
+def ensure_preset(name: str, root: Path | None = None) -> Path:
+    """Path of a preset model's directory (`tiny` or `small`), built once on first use."""
+    version = {"tiny": TINY_VERSION, "small": SMALL_VERSION}[name]
     root = root or cache_dir() / "models"
-    target = root / TINY_VERSION
+    target = root / version
     if (target / "config.json").exists():
         return target
     root.mkdir(parents=True, exist_ok=True)
-    with open(root / f"{TINY_VERSION}.lock", "w") as lock:
+    with open(root / f"{version}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # ranks starting together build it once
         if not (target / "config.json").exists():
-            staging = Path(tempfile.mkdtemp(prefix=f".{TINY_VERSION}-", dir=root))
+            staging = Path(tempfile.mkdtemp(prefix=f".{version}-", dir=root))
             try:
-                build_tiny_model(staging)
+                if name == "tiny":
+                    build_tiny_model(staging)
+                else:
+                    build_small_model(staging)
                 staging.rename(target)
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
@@ -89,6 +113,23 @@ def build_tiny_model(out: Path, vocab_size: int = 512, seed: int = 0) -> None:
     config["num_nextn_predict_layers"] = 1
     (out / "config.json").write_text(json.dumps(config, indent=2))
     save_file(weights, str(out / "model.safetensors"))
+
+
+def build_small_model(out: Path, seed: int = 0) -> None:
+    """The ~100M-parameter preset: same tokenizer, a vocabulary padded to 16384 rows."""
+    tokenizer = _train_tokenizer(512)
+    tokenizer.save(str(out / "tokenizer.json"))
+    config = dict(
+        SMALL_CONFIG,
+        vocab_size=SMALL_VOCAB,
+        bos_token_id=tokenizer.token_to_id(BOS),
+        eos_token_id=tokenizer.token_to_id(EOS),
+    )
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]})
+    )
+    save_file(_random_weights(config, seed), str(out / "model.safetensors"))
 
 
 def _train_tokenizer(vocab_size: int) -> Tokenizer:

@@ -188,7 +188,7 @@ def _rq_peer(
     from rq import Queue
     from rq.serializers import JSONSerializer
 
-    model_dir = _model_dir(settings)
+    model_dir = settings.model
     server_client = redis.Redis.from_url(url)
     queue = Queue("npupool-peer", connection=server_client, serializer=JSONSerializer)
     workers = [
@@ -257,7 +257,7 @@ def _offline_peer(settings: Settings, args: argparse.Namespace) -> dict[str, Any
             "npu_worker.peers",
             "offline",
             "--model",
-            _model_dir(settings),
+            settings.model,
             "--batch",
             str(settings.decode_batch),
             "--prompt-len",
@@ -272,14 +272,6 @@ def _offline_peer(settings: Settings, args: argparse.Namespace) -> dict[str, Any
         text=True,
     )
     return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def _model_dir(settings: Settings) -> str:
-    if settings.model != "tiny":
-        return settings.model
-    from schemas.config import cache_dir
-
-    return str(cache_dir() / "models" / "tiny-v2")
 
 
 def ratios(report: dict[str, Any]) -> dict[str, float | None]:
