@@ -138,6 +138,7 @@ class RequestBook:
                 tracked.stop_reason = FinishReason.TIMEOUT
             order = tracked.seq.order if tracked.seq is not None else self.order
             tracked.seq = make_sequence(tracked, order, self.settings.max_model_len)
+            tracked.admission += 1
             reason = tracked.stop_reason
             if reason is None and tracked.seq.max_new_tokens <= 0:
                 reason = FinishReason.LENGTH
@@ -188,7 +189,12 @@ class RequestBook:
         lost: list[Tracked] = []
         for outcome in result.outcomes:
             tracked = self.tracked.get(outcome.request_id)
-            if tracked is None or tracked.seq is None or tracked.seq.rank != result.rank:
+            if (
+                tracked is None
+                or tracked.seq is None
+                or tracked.seq.rank != result.rank
+                or outcome.admission != tracked.admission
+            ):
                 continue
             tracked.num_published += outcome.num_new_tokens
             self.stats["tokens"] += outcome.num_new_tokens

@@ -30,6 +30,7 @@ def rank_plans(
                 sampling=entry.request.sampling,
                 start_index=len(entry.resumed_ids),
                 start_seq=entry.start_seq,
+                admission=entry.admission,
                 result_ttl_s=entry.ttl_s(settings.result_ttl_s),
             )
         )

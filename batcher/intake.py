@@ -38,6 +38,7 @@ class Tracked:
     resumed_ids: list[int] = field(default_factory=list)
     start_seq: int = 0
     num_published: int = 0
+    admission: int = 0  # bumped each time it re-enters the queue; outcomes must match it
     stop_reason: FinishReason | None = None
 
     @property

@@ -30,6 +30,7 @@ class RequestState:
 
     request_id: str
     slot: int
+    admission: int
     token_ids: list[int]  # prompt (plus tokens resumed after recovery), then new tokens
     num_prompt_tokens: int
     num_context_tokens: int  # tokens of token_ids that are prompt for this run
@@ -110,9 +111,11 @@ class RankEngine:
         result.exec_ms = (time.perf_counter() - started) * 1000
         return output
 
-    def drop(self, request_ids: set[str]) -> None:
-        """Forget requests whose result streams another writer has moved on."""
-        for slot in [s for s, st in self.slots.items() if st.request_id in request_ids]:
+    def drop(self, admissions: set[tuple[str, int]]) -> None:
+        """Forget the given (request id, admission)s: their streams moved on without us."""
+        for slot in [
+            s for s, st in self.slots.items() if (st.request_id, st.admission) in admissions
+        ]:
             del self.slots[slot]
 
     def _admit(self, new: NewRequest) -> RequestState:
@@ -120,6 +123,7 @@ class RankEngine:
         return RequestState(
             request_id=new.request_id,
             slot=new.slot,
+            admission=new.admission,
             token_ids=list(new.prompt_token_ids),
             num_prompt_tokens=new.num_prompt_tokens,
             num_context_tokens=len(new.prompt_token_ids),
@@ -278,6 +282,7 @@ class RankEngine:
             result.outcomes.append(
                 RequestOutcome(
                     request_id=state.request_id,
+                    admission=state.admission,
                     num_new_tokens=len(state.pending_ids),
                     finish_reason=state.finish_reason,
                 )

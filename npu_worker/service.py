@@ -21,15 +21,15 @@ import uuid
 import redis
 import torch
 
-from npu_worker.engine import RankEngine, StepOutput
+from npu_worker.engine import RankEngine
 from npu_worker.loader import load_for
+from npu_worker.publisher import Publisher
 from npu_worker.runner import LaunchRunner
-from schemas.codec import CodecError, decode, encode
+from schemas.codec import CodecError, decode
 from schemas.config import Settings, add_settings_flags, settings_from_args
 from schemas.connection import connect, last_entry_id, stream_entries
 from schemas.control import RankStepPlan
 from schemas.keys import FIELD, Keys
-from schemas.results import APPENDED, ResultWriter
 
 log = logging.getLogger("npu_pool.worker")
 REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
@@ -47,7 +47,7 @@ class Worker:
         self.rank_key = self.keys.rank(settings.pool, rank)
         self.plan_key = self.keys.plan(settings.pool, rank)
         self.redis = connect(settings.redis_url)
-        self.writer = ResultWriter(self.redis, self.keys)
+        self.publisher: Publisher | None = None
         self.stop_event = threading.Event()
         self.fenced = threading.Event()
         self.incarnation = ""
@@ -61,28 +61,34 @@ class Worker:
             self._register("loading")
             heartbeat.start()
             self.engine = self._load()
+            self.publisher = Publisher(self.settings, self.keys)
             self._go_live()
             while not self.stop_event.is_set():
                 try:
+                    if self.publisher.failed.is_set():
+                        self.fenced.set()
                     if self.fenced.is_set():
                         log.warning(
                             "rank %d lost by the batcher or by Redis; starting afresh", self.rank
                         )
                         self._go_live()
-                    self._serve_once(self.engine)
+                    self._serve_once(self.engine, self.publisher)
                 except REDIS_ERRORS as exc:
                     log.warning("Redis unavailable (%s); retrying", exc)
                     time.sleep(0.5)
                     self.fenced.set()  # a step may be half published: start afresh
         finally:
             self.stop_event.set()
+            if self.publisher is not None:
+                self.publisher.close()
             with contextlib.suppress(redis.RedisError):
                 self.redis.hset(self.rank_key, "state", "stopped")
             self.redis.close()
 
     def _go_live(self) -> None:
         """Drop all requests, take a new incarnation, read plans from now on."""
-        assert self.engine is not None
+        assert self.engine is not None and self.publisher is not None
+        self.publisher.reset()
         self.engine.reset(-1)
         self.fenced.clear()
         self.incarnation = uuid.uuid4().hex[:12]
@@ -123,7 +129,7 @@ class Worker:
             rank=self.rank,
         )
 
-    def _serve_once(self, engine: RankEngine) -> None:
+    def _serve_once(self, engine: RankEngine, publisher: Publisher) -> None:
         reply = self.redis.xread({self.plan_key: self.plan_cursor}, count=8, block=500)
         for entry_id, fields in stream_entries(reply):
             self.plan_cursor = entry_id
@@ -134,29 +140,14 @@ class Worker:
                 continue
             if plan.incarnation != self.incarnation or plan.epoch < engine.epoch:
                 continue
-            self._publish(engine, engine.execute(plan))
+            refused = publisher.take_refused()
+            if refused:
+                engine.drop(refused)
+            publisher.submit(engine.execute(plan))
+            if publisher.failed.is_set():
+                self.fenced.set()
             if self.fenced.is_set() or self.stop_event.is_set():
                 return
-
-    def _publish(self, engine: RankEngine, output: StepOutput) -> None:
-        """Append the step's chunks (one round trip), then report the step."""
-        pipe = self.redis.pipeline(transaction=False)
-        for chunk, ttl_s in output.chunks:
-            self.writer.append(pipe, chunk, ttl_s)
-        replies = pipe.execute() if output.chunks else []
-        refused = {c.id for (c, _), r in zip(output.chunks, replies) if r != APPENDED}
-        if refused:
-            log.warning("result streams moved on without this rank: %s", sorted(refused))
-            engine.drop(refused)
-            for outcome in output.result.outcomes:
-                if outcome.request_id in refused:
-                    outcome.lost, outcome.finish_reason = True, None
-        self.redis.xadd(
-            self.keys.step_results(self.settings.pool),
-            {FIELD: encode(output.result)},
-            maxlen=10_000,
-            approximate=True,
-        )
 
     def _register(self, state: str) -> None:
         self.redis.hset(

@@ -21,6 +21,7 @@ class NewRequest(_Control):
     sampling: SamplingParams
     start_index: int = 0
     start_seq: int = 0
+    admission: int = Field(default=0, description="which admission of the request this is")
     result_ttl_s: int
 
 
@@ -61,6 +62,7 @@ class RequestOutcome(_Control):
     """What one step did for one request on a rank."""
 
     request_id: str
+    admission: int = 0
     num_new_tokens: int
     finish_reason: str | None = None
     lost: bool = Field(default=False, description="its stream moved on: this rank lost it")

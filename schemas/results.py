@@ -40,19 +40,27 @@ return 1
 
 
 class ResultWriter:
-    """Queues conditional chunk appends on a pipeline; `execute` says which were refused."""
+    """Queues conditional chunk appends on a pipeline; each reply says appended or refused.
+
+    The script is loaded once (`load`, again after Redis restarts) and called by its SHA,
+    so a pipeline of appends is one round trip, with no script check before it.
+    """
 
     def __init__(self, client: redis.Redis, keys: Keys) -> None:
+        self.client = client
         self.keys = keys
-        self.script = client.register_script(APPEND_SCRIPT)
+        self.sha = ""
+        self.load()
+
+    def load(self) -> None:
+        """(Re)load the append script into Redis's script cache."""
+        self.sha = str(self.client.script_load(APPEND_SCRIPT))
 
     def append(self, pipe: redis.client.Pipeline, chunk: ResultChunk, ttl_s: int) -> None:
         """Queue one chunk; a final chunk also sets the stream's TTL."""
         final = "1" if chunk.is_final else "0"
-        self.script(
-            keys=[self.keys.result(chunk.id)],
-            args=[chunk.seq, encode(chunk), final, ttl_s],
-            client=pipe,
+        pipe.evalsha(
+            self.sha, 1, self.keys.result(chunk.id), chunk.seq, encode(chunk), final, ttl_s
         )
 
 
