@@ -200,5 +200,6 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, worker.request_stop)
     signal.signal(signal.SIGINT, worker.request_stop)
     torch.set_grad_enabled(False)
+    sys.setswitchinterval(0.0002)  # the publisher thread must not hold up the model for 5 ms
     worker.run()
     return 0
