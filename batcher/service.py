@@ -47,7 +47,7 @@ from schemas.codec import CodecError, decode, encode
 from schemas.config import Settings, add_settings_flags, settings_from_args
 from schemas.connection import connect, last_entry_id, stream_entries
 from schemas.control import RankStepPlan, StepResult
-from schemas.keys import FIELD, GROUP, Keys
+from schemas.keys import FIELD, GROUP, PLAN_STREAM_MAXLEN, Keys
 from schemas.messages import FinishReason
 
 log = logging.getLogger("npu_pool.batcher")
@@ -304,7 +304,7 @@ class Batcher:
             pipe.xadd(
                 self.keys.plan(self.pool, rank),
                 {FIELD: encode(rank_plan)},
-                maxlen=1000,
+                maxlen=PLAN_STREAM_MAXLEN,
                 approximate=True,
             )
         pipe.execute()

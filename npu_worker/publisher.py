@@ -13,7 +13,7 @@ from npu_worker.engine import StepOutput
 from schemas.codec import encode
 from schemas.config import Settings
 from schemas.connection import connect
-from schemas.keys import FIELD, Keys
+from schemas.keys import FIELD, STEP_RESULTS_MAXLEN, Keys
 from schemas.results import APPENDED, ResultWriter
 
 log = logging.getLogger("npu_pool.worker")
@@ -100,5 +100,8 @@ class Publisher:
                     outcome.lost, outcome.finish_reason = True, None
                     self.refused.put((outcome.request_id, outcome.admission))
         self.redis.xadd(
-            self.results_key, {FIELD: encode(output.result)}, maxlen=10_000, approximate=True
+            self.results_key,
+            {FIELD: encode(output.result)},
+            maxlen=STEP_RESULTS_MAXLEN,
+            approximate=True,
         )

@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 GROUP = "pools"
 FIELD = "m"
+# Control streams are read as they arrive; these bound what they keep (approximately).
+PLAN_STREAM_MAXLEN = 100
+STEP_RESULTS_MAXLEN = 1000
 
 
 @dataclass(frozen=True, slots=True)

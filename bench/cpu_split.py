@@ -1,0 +1,65 @@
+"""Throughput of a 1-rank pool at one concurrency, and each process's share of a core.
+
+python bench/cpu_split.py --concurrency 1 --requests 40
+python bench/cpu_split.py --concurrency 64 --requests 320
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import resource
+import tempfile
+from pathlib import Path
+
+from producer.client import Client
+from producer.embedded import EmbeddedRedis
+from producer.launcher import PoolProcesses
+from producer.loadgen import Workload, run_workload, summarise
+from schemas.config import Settings
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=320)
+    args = parser.parse_args()
+    workdir = Path(tempfile.mkdtemp(prefix="npupool-split-"))
+    server = EmbeddedRedis(data_dir=workdir / "redis")
+    url = server.start()
+    settings = Settings(
+        redis_url=url, ranks=1, pool="split", max_num_seqs=128, kv_slots_per_rank=128
+    )
+    processes = PoolProcesses(settings, url, log_dir=workdir / "logs")
+    try:
+        processes.start()
+        Client(url).wait_ready(300, pool="split")
+        pids = {c.name: c.process.pid for c in processes.children if c.process}
+        pids["redis"] = server.process.pid if server.process else 0
+        before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+        own = resource.getrusage(resource.RUSAGE_SELF)
+        workload = Workload(args.requests, (32, 96), (48, 80), concurrency=args.concurrency)
+        traces, wall = asyncio.run(run_workload(url, settings.namespace, workload))
+        used = resource.getrusage(resource.RUSAGE_SELF)
+        shares = {
+            name: round((cpu_seconds(pid) - before[name]) / wall, 2) for name, pid in pids.items()
+        }
+        shares["load generator"] = round(
+            (used.ru_utime + used.ru_stime - own.ru_utime - own.ru_stime) / wall, 2
+        )
+        tokens = summarise(traces, wall, 1e9, 1e9)["output_tokens_per_s"]
+        print(f"tokens/s {tokens:.0f}  wall {wall:.1f}s  core shares {shares}")
+    finally:
+        processes.stop()
+        server.stop()
+
+
+if __name__ == "__main__":
+    main()
