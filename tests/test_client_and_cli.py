@@ -138,9 +138,32 @@ def test_producer_gets_a_clear_error_not_a_hang_when_redis_is_gone(tmp_path) -> 
 def test_serving_benchmark_reports_levels_ceiling_and_ratios(tmp_path) -> None:
     out = tmp_path / "bench.json"
     done = subprocess.run(
-        [sys.executable, "-m", "schemas.cli", "bench", "--concurrency", "1", "4", "--requests",
-         "6", "--output-len", "4", "8", "--prompt-len", "3", "9", "--no-peers", "--device",
-         "cpu", "--json", str(out)], capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "schemas.cli",
+            "bench",
+            "--concurrency",
+            "1",
+            "4",
+            "--requests",
+            "6",
+            "--output-len",
+            "4",
+            "8",
+            "--prompt-len",
+            "3",
+            "9",
+            "--no-peers",
+            "--device",
+            "cpu",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(out.read_text())
     assert [lv["concurrency"] for lv in report["levels"]] == [1, 4]
