@@ -352,11 +352,16 @@ class Batcher:
                 del self.inflight[result.step]
 
 
-def main(argv: list[str]) -> int:
-    """`npu-pool batcher`: run one pool's batcher until SIGTERM/SIGINT."""
+def build_parser() -> argparse.ArgumentParser:
+    """The flags of `npu-pool batcher`."""
     parser = argparse.ArgumentParser(prog="npu-pool batcher", description=__doc__)
     add_settings_flags(parser)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    """`npu-pool batcher`: run one pool's batcher until SIGTERM/SIGINT."""
+    args = build_parser().parse_args(argv)
     try:
         settings = settings_from_args(args)
     except ValueError as exc:

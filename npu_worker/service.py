@@ -184,12 +184,17 @@ class Worker:
         self.stop_event.set()
 
 
-def main(argv: list[str]) -> int:
-    """`npu-pool worker --rank R`: run one rank until SIGTERM/SIGINT."""
+def build_parser() -> argparse.ArgumentParser:
+    """The flags of `npu-pool worker`."""
     parser = argparse.ArgumentParser(prog="npu-pool worker", description=__doc__)
     parser.add_argument("--rank", type=int, required=True, help="this worker's rank")
     add_settings_flags(parser)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    """`npu-pool worker --rank R`: run one rank until SIGTERM/SIGINT."""
+    args = build_parser().parse_args(argv)
     try:
         settings = settings_from_args(args)
         worker = Worker(settings, args.rank)
