@@ -20,6 +20,7 @@ import uuid
 from typing import Any, cast
 
 import redis
+from prometheus_client import CollectorRegistry, Histogram
 from tokenizers import Tokenizer
 
 from batcher.book import RequestBook
@@ -49,6 +50,7 @@ from schemas.connection import connect, last_entry_id, stream_entries
 from schemas.control import RankStepPlan, StepResult
 from schemas.keys import FIELD, GROUP, PLAN_STREAM_MAXLEN, Keys
 from schemas.messages import FinishReason
+from schemas.metrics import CountsCollector, serve_metrics
 
 log = logging.getLogger("npu_pool.batcher")
 REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
@@ -78,7 +80,35 @@ class Batcher:
             "recovered": 0,
             "claimed": 0,
         }
+        self.queue_depth = 0
+        self.dispatched_at: dict[int, float] = {}
+        self.step_seconds: Histogram | None = None
         self._reset()
+        if settings.metrics_port:
+            self._serve_metrics(settings.metrics_port)
+
+    def _serve_metrics(self, port: int) -> None:
+        registry = CollectorRegistry()
+        registry.register(
+            CountsCollector(
+                lambda: {
+                    **self.stats,
+                    "running": len(self.state.running),
+                    "waiting": len(self.state.waiting),
+                    "queue_depth": self.queue_depth,
+                },
+                {"pool": self.pool},
+                gauges={"running", "waiting", "queue_depth"},
+            )
+        )
+        self.step_seconds = Histogram(
+            "npupool_step_seconds",
+            "dispatch to the last rank's result, per step",
+            ["pool"],
+            registry=registry,
+            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0),
+        )
+        serve_metrics(port, registry)
 
     def _reset(self) -> None:
         s = self.settings
@@ -239,6 +269,7 @@ class Batcher:
 
     def _housekeeping(self) -> None:
         self._poll_ranks()
+        self.queue_depth = int(self.redis.xlen(self.keys.requests))
         day_ago_ms = int(time.time() * 1000) - 86_400_000
         self.redis.zremrangebyscore(self.keys.cancelled, 0, day_ago_ms)
         keep_alive(
@@ -310,6 +341,7 @@ class Batcher:
         pipe.execute()
         if by_rank:
             self.inflight[self.step] = set(by_rank)
+            self.dispatched_at[self.step] = time.monotonic()
         self.stats["steps"] += 1
 
     def _collect(self, block_ms: int) -> None:
@@ -350,6 +382,9 @@ class Batcher:
             waiting.discard(result.rank)
             if not waiting:
                 del self.inflight[result.step]
+                started = self.dispatched_at.pop(result.step, None)
+                if started is not None and self.step_seconds is not None:
+                    self.step_seconds.labels(self.pool).observe(time.monotonic() - started)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -78,6 +78,14 @@ class RankEngine:
         self.rank = rank
         self.epoch = -1
         self.slots: dict[int, RequestState] = {}
+        self.totals = {
+            "tokens": 0,
+            "steps": 0,
+            "decode_rows": 0,
+            "padding_rows": 0,
+            "mtp_proposed": 0,
+            "mtp_accepted": 0,
+        }
 
     def reset(self, epoch: int) -> None:
         """Drop every request: a new batcher epoch re-sends what it still wants."""
@@ -109,6 +117,13 @@ class RankEngine:
                 touched.append(state)
         output = self._collect(touched, result)
         result.exec_ms = (time.perf_counter() - started) * 1000
+        totals = self.totals
+        totals["tokens"] += sum(o.num_new_tokens for o in result.outcomes)
+        totals["steps"] += 1
+        totals["decode_rows"] += result.num_decode_rows
+        totals["padding_rows"] += result.num_padding_rows
+        totals["mtp_proposed"] += result.num_draft_proposed
+        totals["mtp_accepted"] += result.num_draft_accepted
         return output
 
     def drop(self, admissions: set[tuple[str, int]]) -> None:

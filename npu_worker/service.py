@@ -20,6 +20,7 @@ import uuid
 
 import redis
 import torch
+from prometheus_client import CollectorRegistry
 
 from npu_worker.engine import RankEngine
 from npu_worker.loader import load_for
@@ -30,6 +31,7 @@ from schemas.config import Settings, add_settings_flags, settings_from_args
 from schemas.connection import connect, last_entry_id, stream_entries
 from schemas.control import RankStepPlan
 from schemas.keys import FIELD, Keys
+from schemas.metrics import CountsCollector, serve_metrics
 
 log = logging.getLogger("npu_pool.worker")
 REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
@@ -61,6 +63,8 @@ class Worker:
             self._register("loading")
             heartbeat.start()
             self.engine = self._load()
+            if self.settings.metrics_port:
+                self._serve_metrics(self.engine, self.settings.metrics_port + 1 + self.rank)
             self.publisher = Publisher(self.settings, self.keys)
             self._go_live()
             while not self.stop_event.is_set():
@@ -84,6 +88,20 @@ class Worker:
             with contextlib.suppress(redis.RedisError):
                 self.redis.hset(self.rank_key, "state", "stopped")
             self.redis.close()
+
+    def _serve_metrics(self, engine: RankEngine, port: int) -> None:
+        registry = CollectorRegistry()
+        registry.register(
+            CountsCollector(
+                lambda: {
+                    **engine.totals,
+                    **{f"{kind}_launches": n for kind, n in engine.runner.num_launches.items()},
+                },
+                {"pool": self.settings.pool, "rank": str(self.rank)},
+                gauges=set(),
+            )
+        )
+        serve_metrics(port, registry)
 
     def _go_live(self) -> None:
         """Drop all requests, take a new incarnation, read plans from now on."""

@@ -56,6 +56,12 @@ class Settings(BaseSettings):
     heartbeat_s: float = Field(default=1.0, gt=0.0, description="registry heartbeat period")
     rank_timeout_s: float = Field(default=10.0, gt=0.0, description="heartbeat age of a dead rank")
     threads_per_rank: int = Field(default=0, ge=0, description="torch CPU threads, 0: auto")
+    metrics_port: int = Field(
+        default=0,
+        ge=0,
+        le=65000,
+        description="Prometheus port of the batcher (rank R: +1+R); 0: off",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> Settings:

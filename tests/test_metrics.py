@@ -1,0 +1,64 @@
+"""Prometheus endpoints of the batcher and every rank: counters move during a run and agree
+with what the result streams hold."""
+
+from __future__ import annotations
+
+import random
+import socket
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from producer.client import Client
+from tests.helpers import check_stream, wait_until
+
+
+def free_port_block(size: int) -> int:
+    """A base port with `size` free ports after it (checked, not reserved)."""
+    for _ in range(50):
+        base = random.randrange(20000, 60000)
+        sockets = []
+        try:
+            for port in range(base, base + size):
+                sock = socket.socket()
+                sock.bind(("127.0.0.1", port))
+                sockets.append(sock)
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+    raise RuntimeError("no free ports")
+
+
+def scrape(port: int) -> dict[str, float]:
+    """Samples of one endpoint, summed over label sets, by sample name."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    samples: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[sample.name] = samples.get(sample.name, 0.0) + sample.value
+    return samples
+
+
+def test_metrics_counters_move_and_match_the_result_streams(start_pool, client: Client) -> None:
+    base = free_port_block(3)
+    start_pool(ranks=2, metrics_port=base)
+    ids = [
+        client.submit(prompt_token_ids=[5, 6, i + 2], max_tokens=60, ignore_eos=True)
+        for i in range(12)
+    ]
+    wait_until(lambda: scrape(base).get("npupool_tokens_total", 0) > 0, what="tokens counted")
+    during = scrape(base)
+    tokens = sum(len(check_stream(list(client.stream(r, timeout_s=120)))) for r in ids)
+    wait_until(lambda: scrape(base)["npupool_finished_total"] == 12, what="all finished")
+    batcher = scrape(base)
+    ranks = [scrape(base + 1), scrape(base + 2)]
+    assert during["npupool_tokens_total"] <= batcher["npupool_tokens_total"] == tokens == 720
+    assert sum(r["npupool_tokens_total"] for r in ranks) == tokens
+    assert batcher["npupool_step_seconds_count"] > 0 and batcher["npupool_running"] == 0
+    assert batcher["npupool_decode_launches_total"] == sum(
+        r["npupool_decode_launches_total"] for r in ranks
+    )
+    assert all(r["npupool_prefill_launches_total"] >= 1 for r in ranks)
