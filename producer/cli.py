@@ -7,10 +7,10 @@ import json
 import sys
 
 from rich.console import Console
-from rich.table import Table
 
 from producer.client import Client, QueueFull
 from producer.status import collect_status
+from producer.status_view import render, watch
 
 
 def submit_main(argv: list[str]) -> int:
@@ -83,6 +83,8 @@ def status_main(argv: list[str]) -> int:
     """Show pools, ranks (pid, host, device, state) and the queue."""
     parser = argparse.ArgumentParser(prog="npu-pool status", description=status_main.__doc__)
     parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument("--watch", action="store_true", help="a live view, until Ctrl-C")
+    parser.add_argument("--interval", type=float, default=1.0, help="--watch refresh, s")
     parser.add_argument("--redis-url", default=None)
     parser.add_argument("--namespace", default=None)
     args = parser.parse_args(argv)
@@ -95,31 +97,8 @@ def status_main(argv: list[str]) -> int:
     if args.json:
         print(json.dumps(status, indent=2))
         return 0
-    console = Console()
-    queue = status["queue"]
-    console.print(
-        f"queue: {queue['outstanding']} outstanding, {queue['in_progress']} in "
-        f"progress, {queue['dead']} dead letters"
-    )
-    for pool in status["pools"]:
-        table = Table(
-            title=f"pool {pool['pool']} — {pool['state']} "
-            f"(batcher pid {pool['batcher']['pid']} on {pool['batcher']['host']})"
-        )
-        for column in ("rank", "pid", "host", "device", "state"):
-            table.add_column(column)
-        for rank in pool["ranks"]:
-            table.add_row(*(str(rank[c]) for c in ("rank", "pid", "host", "device", "state")))
-        console.print(table)
-        console.print(
-            f"  running {pool['running']}, waiting {pool['waiting']}, "
-            f"steps {pool['steps']}, tokens {pool['tokens']}, "
-            f"finished {pool['finished']}, rejected {pool['rejected']}"
-        )
-        mtp = pool["mtp"]
-        if mtp["proposed"]:
-            console.print(
-                f"  MTP: {mtp['accepted']}/{mtp['proposed']} drafts accepted "
-                f"({mtp['acceptance']:.1%}), {mtp['tokens_per_row']:.2f} tokens per verify row"
-            )
+    if args.watch:
+        watch(client.redis, client.keys, args.interval)
+        return 0
+    Console().print(render(status))
     return 0

@@ -62,3 +62,27 @@ def test_metrics_counters_move_and_match_the_result_streams(start_pool, client: 
         r["npupool_decode_launches_total"] for r in ranks
     )
     assert all(r["npupool_prefill_launches_total"] >= 1 for r in ranks)
+
+
+def test_status_watch_shows_a_live_view_until_interrupted(
+    start_pool, client: Client, redis_url: str
+) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    start_pool(ranks=1)
+    client.generate(prompt="warm", max_tokens=8, timeout_s=60)
+    watcher = subprocess.Popen(
+        [sys.executable, "-m", "schemas.cli", "status", "--watch", "--interval", "0.2"],
+        env=dict(os.environ, REDIS_URL=redis_url),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(2.0)
+    watcher.send_signal(signal.SIGINT)
+    output, _ = watcher.communicate(timeout=30)
+    assert watcher.returncode == 0
+    assert "pool default — ready" in output and "tokens/s" in output
