@@ -42,7 +42,8 @@ class Client:
         settings = Settings()
         self.keys = Keys(namespace or settings.namespace)
         self.max_queue = max_queue or settings.max_queue
-        self.redis = redis.Redis.from_url(resolve_redis_url(redis_url or settings.redis_url))
+        self.url = resolve_redis_url(redis_url or settings.redis_url)
+        self.redis = redis.Redis.from_url(self.url)
         self._admit = self.redis.register_script(ADMIT_SCRIPT)
 
     def submit(
