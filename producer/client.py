@@ -38,12 +38,13 @@ class Client:
         redis_url: str | None = None,
         namespace: str | None = None,
         max_queue: int | None = None,
+        connection: redis.Redis | None = None,
     ) -> None:
         settings = Settings()
         self.keys = Keys(namespace or settings.namespace)
         self.max_queue = max_queue or settings.max_queue
         self.url = resolve_redis_url(redis_url or settings.redis_url)
-        self.redis = redis.Redis.from_url(self.url)
+        self.redis = connection if connection is not None else redis.Redis.from_url(self.url)
         self._admit = self.redis.register_script(ADMIT_SCRIPT)
 
     def submit(

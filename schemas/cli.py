@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "submit": ("producer.cli", "submit_main", "submit a request and print or stream its result"),
     "cancel": ("producer.cli", "cancel_main", "cancel requests by id"),
     "status": ("producer.cli", "status_main", "show pools, ranks and the queue"),
+    "batch": ("producer.batch_cli", "main", "offline batch jobs through RQ"),
     "bench": ("producer.bench", "main", "benchmarks: --kernels for the launch microbenchmark"),
 }
 

@@ -42,6 +42,24 @@ class Keys:
         """Set of pool names that have registered."""
         return f"{self.ns}:pools"
 
+    @property
+    def batches(self) -> str:
+        """Set of batch job ids not yet finished or failed."""
+        return f"{self.ns}:batches"
+
+    @property
+    def batch_queue(self) -> str:
+        """Name of the RQ queue batch jobs go on."""
+        return f"{self.ns}-batch"
+
+    def batch(self, batch_id: str) -> str:
+        """Hash describing a batch job: input, output, window, total, sent, done, state."""
+        return f"{self.ns}:batch:{batch_id}"
+
+    def batch_lease(self, batch_id: str) -> str:
+        """Lock held by the one run of a batch that may write its output."""
+        return f"{self.ns}:batch:{batch_id}:lease"
+
     def result(self, request_id: str) -> str:
         """Result stream of one request."""
         return f"{self.ns}:result:{request_id}"
