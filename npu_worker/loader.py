@@ -12,6 +12,7 @@ from tokenizers import Tokenizer
 
 from npu_worker.model import CausalLM
 from npu_worker.model_config import ModelConfig, UnsupportedModel
+from npu_worker.startup import ReportProgress, no_progress
 from schemas.config import Settings
 
 DTYPES = {
@@ -34,12 +35,12 @@ class LoadedModel:
     device: torch.device
 
 
-def resolve_model_dir(model: str) -> Path:
+def resolve_model_dir(model: str, progress: ReportProgress = no_progress) -> Path:
     """A preset (`tiny`, `small`) is built once; anything else is a local directory."""
     if model in ("tiny", "small"):
         from npu_worker.tiny import ensure_preset
 
-        return ensure_preset(model)
+        return ensure_preset(model, progress=progress)
     path = Path(model).expanduser()
     if not path.is_dir():
         raise UnsupportedModel(
@@ -116,7 +117,7 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_for(settings: Settings) -> LoadedModel:
+def load_for(settings: Settings, progress: ReportProgress = no_progress) -> LoadedModel:
     """The configured model on the configured device (CPU threads sized per rank)."""
     from npu_worker.devices import resolve_device, set_cpu_threads
 
@@ -124,7 +125,7 @@ def load_for(settings: Settings) -> LoadedModel:
     if device.type == "cpu":
         set_cpu_threads(settings.threads_per_rank, settings.ranks)
     return load_model(
-        resolve_model_dir(settings.model),
+        resolve_model_dir(settings.model, progress),
         settings.dtype,
         device,
         settings.max_kv_len,

@@ -21,6 +21,7 @@ import torch
 from npu_worker.backends import make_backend
 from npu_worker.loader import LoadedModel
 from npu_worker.model import KVCache, LaunchInputs, LaunchOutput
+from npu_worker.startup import ReportProgress, no_progress
 
 
 @dataclass(slots=True)
@@ -88,15 +89,18 @@ class LaunchRunner:
         chunks = -(-context_len // self.prefill_chunk)
         return min(self.cache.max_kv_len, chunks * self.prefill_chunk)
 
-    def warm_up(self) -> None:
+    def warm_up(self, progress: ReportProgress = no_progress) -> None:
         """Run (and so capture, on graph backends) every launch shape before any request."""
-        for span in self.spans():
+        spans = self.spans()
+        for done, span in enumerate(spans):
+            progress("warm-up: launch shapes per cache span", done, len(spans))
             self.dummy_prefill(span)
             self.backend.run(self._padding_launch(1, span))
             if self.mtp:
                 launch = self._padding_launch(2, span)
                 hidden = self.backend.run(launch).hidden
                 self.backend.draft(launch, hidden)
+        progress("warm-up: launch shapes per cache span", len(spans), len(spans))
         self.num_launches = {"prefill": 0, "decode": 0}
 
     # -- prefill --------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from npu_worker.engine import RankEngine
 from npu_worker.loader import load_for
 from npu_worker.publisher import Publisher
 from npu_worker.runner import LaunchRunner
+from npu_worker.startup import rank_hash_reporter
 from schemas.codec import CodecError, decode
 from schemas.config import Settings, add_settings_flags, settings_from_args
 from schemas.connection import connect, last_entry_id, stream_entries
@@ -118,7 +119,8 @@ class Worker:
 
     def _load(self) -> RankEngine:
         settings = self.settings
-        loaded = load_for(settings)
+        progress = rank_hash_reporter(self.redis, self.rank_key)
+        loaded = load_for(settings, progress)
         device = loaded.device
         if self.rank == 0:
             self.redis.set(self.keys.tokenizer(settings.pool), loaded.tokenizer.to_str())
@@ -138,7 +140,8 @@ class Worker:
             settings.prefill_chunk,
             settings.decode_batch,
         )
-        runner.warm_up()
+        self.redis.hset(self.rank_key, "state", "warming")
+        runner.warm_up(progress)
         return RankEngine(
             runner,
             loaded.tokenizer,

@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from npu_worker.startup import ReportProgress, no_progress
 from schemas.config import cache_dir
 
 TINY_VERSION = "tiny-v2"
@@ -68,7 +69,9 @@ def ensure_tiny_model(root: Path | None = None) -> Path:
     return ensure_preset("tiny", root)
 
 
-def ensure_preset(name: str, root: Path | None = None) -> Path:
+def ensure_preset(
+    name: str, root: Path | None = None, progress: ReportProgress = no_progress
+) -> Path:
     """Path of a preset model's directory (`tiny` or `small`), built once on first use."""
     version = {"tiny": TINY_VERSION, "small": SMALL_VERSION}[name]
     root = root or cache_dir() / "models"
@@ -77,22 +80,26 @@ def ensure_preset(name: str, root: Path | None = None) -> Path:
         return target
     root.mkdir(parents=True, exist_ok=True)
     with open(root / f"{version}.lock", "w") as lock:
+        progress(f"waiting for the {name} model build", 0, 1)
         fcntl.flock(lock, fcntl.LOCK_EX)  # ranks starting together build it once
         if not (target / "config.json").exists():
             staging = Path(tempfile.mkdtemp(prefix=f".{version}-", dir=root))
             try:
                 if name == "tiny":
-                    build_tiny_model(staging)
+                    build_tiny_model(staging, progress=progress)
                 else:
-                    build_small_model(staging)
+                    build_small_model(staging, progress=progress)
                 staging.rename(target)
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
     return target
 
 
-def build_tiny_model(out: Path, vocab_size: int = 512, seed: int = 0) -> None:
+def build_tiny_model(
+    out: Path, vocab_size: int = 512, seed: int = 0, progress: ReportProgress = no_progress
+) -> None:
     """Write config.json, generation_config.json, tokenizer.json and model.safetensors."""
+    progress("building the tiny model: tokenizer", 0, 1)
     tokenizer = _train_tokenizer(vocab_size)
     tokenizer.save(str(out / "tokenizer.json"))
     config = dict(
@@ -109,14 +116,15 @@ def build_tiny_model(out: Path, vocab_size: int = 512, seed: int = 0) -> None:
     save_file(weights, str(out / "model.safetensors"))
     from npu_worker.tiny_mtp import fit_mtp  # needs the main weights on disk first
 
-    weights |= fit_mtp(out, CORPUS, seed)
+    weights |= fit_mtp(out, CORPUS, seed, progress)
     config["num_nextn_predict_layers"] = 1
     (out / "config.json").write_text(json.dumps(config, indent=2))
     save_file(weights, str(out / "model.safetensors"))
 
 
-def build_small_model(out: Path, seed: int = 0) -> None:
+def build_small_model(out: Path, seed: int = 0, progress: ReportProgress = no_progress) -> None:
     """The ~100M-parameter preset: same tokenizer, a vocabulary padded to 16384 rows."""
+    progress("building the small model", 0, 1)
     tokenizer = _train_tokenizer(512)
     tokenizer.save(str(out / "tokenizer.json"))
     config = dict(

@@ -14,17 +14,23 @@ from npu_worker.loader import LoadedModel
 from npu_worker.model import CausalLM, LaunchInputs
 from npu_worker.model_config import ModelConfig
 from npu_worker.runner import LaunchRunner
+from npu_worker.startup import ReportProgress, no_progress
 
 SEQUENCES, PROMPT_LEN, LENGTH, STEPS = 64, 8, 64, 100
+FITTING = "building the tiny model: fitting its MTP module"
 
 
-def fit_mtp(path: Path, corpus: list[str], seed: int = 0) -> dict[str, torch.Tensor]:
+def fit_mtp(
+    path: Path, corpus: list[str], seed: int = 0, progress: ReportProgress = no_progress
+) -> dict[str, torch.Tensor]:
     """Train fresh `mtp.*` weights against the main model in `path`; returns them."""
     with torch.enable_grad():  # callers (a worker) may have turned autograd off
-        return _fit(path, corpus, seed)
+        return _fit(path, corpus, seed, progress)
 
 
-def _fit(path: Path, corpus: list[str], seed: int) -> dict[str, torch.Tensor]:
+def _fit(
+    path: Path, corpus: list[str], seed: int, progress: ReportProgress
+) -> dict[str, torch.Tensor]:
     torch.manual_seed(seed)
     config = ModelConfig.from_dir(path)
     model = CausalLM(config, max_positions=LENGTH, with_mtp=True)
@@ -32,6 +38,7 @@ def _fit(path: Path, corpus: list[str], seed: int) -> dict[str, torch.Tensor]:
     model.load_state_dict(weights, strict=False)
     _init_mtp(model, config)
     tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    progress(FITTING, 0, STEPS + 1)
     sequences, hidden = _greedy_data(model, config, tokenizer, corpus, seed)
     optimizer = torch.optim.Adam(model.mtp.parameters(), lr=6e-3)  # type: ignore[union-attr]
     positions = torch.arange(LENGTH).expand(SEQUENCES, LENGTH)
@@ -44,7 +51,8 @@ def _fit(path: Path, corpus: list[str], seed: int) -> dict[str, torch.Tensor]:
         LENGTH,
         0,
     )
-    for _ in range(STEPS):
+    for step in range(STEPS):
+        progress(FITTING, step + 1, STEPS + 1)
         next_tokens = torch.roll(sequences, -1, dims=1)
         embedded = model.model.embed_tokens(next_tokens).detach()
         out = model.mtp(hidden, embedded, cos, sin, launch, None)  # type: ignore[misc]

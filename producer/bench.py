@@ -20,11 +20,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+
 from producer.client import Client
 from producer.embedded import EmbeddedRedis
 from producer.launcher import PoolProcesses
 from producer.loadgen import Workload, run_workload, summarise
 from producer.status import pool_status
+from producer.status_view import wait_ready_live
 from schemas.config import Settings, add_settings_flags, settings_from_args
 
 
@@ -80,7 +83,14 @@ def run(
     try:
         processes.start()
         with Client(url, settings.namespace) as client:
-            client.wait_ready(timeout_s=600, pool=settings.pool)
+            wait_ready_live(
+                client.redis,
+                client.keys,
+                settings.pool,
+                Console(stderr=True),
+                600,
+                processes.supervise,
+            )
             for level in levels:
                 before = pool_status(client.redis, client.keys, settings.pool, 0)
                 workload = Workload(

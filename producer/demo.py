@@ -19,6 +19,7 @@ from producer.client import AsyncClient, Client
 from producer.embedded import EmbeddedRedis
 from producer.launcher import PoolProcesses
 from producer.status import pool_status
+from producer.status_view import wait_ready_live
 from schemas.config import Settings, add_settings_flags, cache_dir, settings_from_args
 
 PROMPTS = [
@@ -178,14 +179,14 @@ def main(argv: list[str]) -> int:
     embedded = None if settings.redis_url else EmbeddedRedis(data_dir=workdir / "redis")
     processes: PoolProcesses | None = None
     try:
-        with console.status(
-            "starting embedded Redis and the pool (tiny model, first run builds it)"
-        ):
+        with console.status("starting embedded Redis and the pool"):
             url = embedded.start() if embedded else str(settings.redis_url)
             processes = PoolProcesses(settings, url, log_dir=workdir / "logs")
             processes.start()
-            with Client(url, settings.namespace) as client:
-                client.wait_ready(timeout_s=300, pool=settings.pool)
+        with Client(url, settings.namespace) as client:
+            wait_ready_live(
+                client.redis, client.keys, settings.pool, console, 300, processes.supervise
+            )
         console.print(f"pool [bold]{settings.pool}[/] ready on {url} (logs in {workdir / 'logs'})")
         rows = [Row(PROMPTS[i % len(PROMPTS)], time.monotonic()) for i in range(args.requests)]
         started = time.monotonic()

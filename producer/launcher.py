@@ -10,12 +10,17 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from rich.console import Console
+
 from producer.embedded import EmbeddedRedis
 from schemas.config import Settings, add_settings_flags, settings_from_args
+from schemas.connection import connect
+from schemas.keys import Keys
 
 log = logging.getLogger("npu_pool.up")
 MAX_BACKOFF_S = 30.0
@@ -156,6 +161,7 @@ def up_main(argv: list[str]) -> int:
             settings.ranks,
             settings.model,
         )
+        _show_start_up(settings, redis_url, processes, lambda: stopping)
         while not stopping:
             processes.supervise()
             time.sleep(0.2)
@@ -165,3 +171,28 @@ def up_main(argv: list[str]) -> int:
         if embedded is not None:
             embedded.stop()
     return 0
+
+
+def _show_start_up(
+    settings: Settings, redis_url: str, processes: PoolProcesses, stopping: Callable[[], bool]
+) -> None:
+    """Progress bars of the ranks' start-up on a terminal; supervising all the while."""
+    from producer.status_view import wait_ready_live
+
+    console = Console(stderr=True)
+    if not console.is_terminal:
+        return
+    client = connect(redis_url)
+
+    def tick() -> None:
+        processes.supervise()
+        if stopping():
+            raise KeyboardInterrupt
+
+    try:
+        wait_ready_live(client, Keys(settings.namespace), settings.pool, console, 3600, tick)
+        log.info("pool %s ready", settings.pool)
+    except (KeyboardInterrupt, TimeoutError):
+        pass
+    finally:
+        client.close()

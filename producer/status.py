@@ -43,6 +43,11 @@ def pool_status(client: redis.Redis, keys: Keys, pool: str, now_ms: int) -> dict
                 "host": _text(r, "host"),
                 "device": _text(r, "device"),
                 "state": _liveness(_text(r, "state"), _int(r, "hb_ms"), now_ms),
+                "progress": {
+                    "what": _text(r, "progress"),
+                    "done": _int(r, "progress_done"),
+                    "total": _int(r, "progress_total"),
+                },
             }
         )
     return {

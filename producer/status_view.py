@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn
 from rich.table import Table
 from rich.text import Text
 
-from producer.status import collect_status
+from producer.status import collect_status, pool_status, ready_pool
 from schemas.keys import Keys
 
 
@@ -32,7 +34,11 @@ def render(status: dict[str, Any], rates: dict[str, float] | None = None) -> Ren
         for column in ("rank", "pid", "host", "device", "state"):
             table.add_column(column)
         for rank in pool["ranks"]:
-            table.add_row(*(str(rank[c]) for c in ("rank", "pid", "host", "device", "state")))
+            cells = [str(rank[c]) for c in ("rank", "pid", "host", "device", "state")]
+            progress = rank["progress"]
+            if rank["state"] in ("loading", "warming") and progress["total"]:
+                cells[-1] += f" ({progress['what']}: {progress['done']}/{progress['total']})"
+            table.add_row(*cells)
         parts.append(table)
         line = (
             f"  running {pool['running']}, waiting {pool['waiting']}, steps {pool['steps']}, "
@@ -71,3 +77,37 @@ def watch(client: redis.Redis, keys: Keys, interval_s: float = 1.0) -> None:
                 time.sleep(interval_s)
         except KeyboardInterrupt:
             pass
+
+
+def wait_ready_live(
+    client: redis.Redis,
+    keys: Keys,
+    pool: str,
+    console: Console,
+    timeout_s: float,
+    tick: Callable[[], None] = lambda: None,
+) -> None:
+    """Block until `pool` is ready, with a progress bar per rank for its start-up work
+    (building a preset model, warm-up / graph capture); `tick` runs on every poll."""
+    deadline = time.monotonic() + timeout_s
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        tasks: dict[int, TaskID] = {}
+        while ready_pool(client, keys, pool) is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"pool {pool} not ready after {timeout_s:.0f}s; see its logs")
+            for rank in pool_status(client, keys, pool, int(time.time() * 1000))["ranks"]:
+                shown = rank["progress"]
+                what = shown["what"] or (
+                    "starting" if rank["state"] == "unknown" else rank["state"]
+                )
+                if rank["rank"] not in tasks:
+                    tasks[rank["rank"]] = progress.add_task("", total=None)
+                progress.update(
+                    tasks[rank["rank"]],
+                    description=f"rank {rank['rank']}: {what}",
+                    completed=shown["done"],
+                    total=shown["total"] or None,
+                )
+            tick()
+            time.sleep(0.1)
