@@ -1,12 +1,31 @@
-# CPU image of npu-pool. For Ascend, build FROM an image with CANN and torch_npu and
-# install the project with its `npu` extra. Pass a CPU-only torch wheel index through
-# the PIP_EXTRA_INDEX_URL build argument to keep the image small.
-FROM python:3.11-slim
-ARG PIP_EXTRA_INDEX_URL=""
-ENV PIP_EXTRA_INDEX_URL=${PIP_EXTRA_INDEX_URL}
+# npu-pool images. Two targets:
+#   docker build .                      CPU image (the default: the last stage)
+#   docker build --target ascend .      Ascend image: CANN base + torch_npu
+# Pick the Ascend base whose CANN matches the host's driver, and the torch / torch_npu pair
+# that base supports, with --build-arg ASCEND_BASE=... TORCH_SPEC=... TORCH_NPU_SPEC=...
+ARG ASCEND_BASE=ascendai/cann:8.0.0-910b-ubuntu22.04-py3.10
+
+FROM ${ASCEND_BASE} AS ascend
+ARG TORCH_SPEC="torch==2.5.1"
+ARG TORCH_NPU_SPEC="torch_npu==2.5.1"
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY schemas schemas
+COPY producer producer
+COPY batcher batcher
+COPY npu_worker npu_worker
+RUN pip install --no-cache-dir "${TORCH_SPEC}" "${TORCH_NPU_SPEC}" \
+    && pip install --no-cache-dir ".[npu]"
+ENV NPUPOOL_DEVICE=npu
+CMD ["npu-pool", "up"]
+
+FROM python:3.11-slim AS cpu
+# The CPU build of torch keeps the image small; override to use another index.
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 RUN apt-get update && apt-get install -y --no-install-recommends gcc make \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /app
+RUN pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" torch
 COPY pyproject.toml README.md ./
 COPY schemas schemas
 COPY producer producer

@@ -35,6 +35,7 @@ from batcher.durability import (
 from batcher.intake import (
     ModelFacts,
 )
+from batcher.latency import LatencyMetrics
 from batcher.ranks import RankRegistry
 from batcher.scheduler import (
     PlannerConfig,
@@ -83,6 +84,7 @@ class Batcher:
         self.queue_depth = 0
         self.dispatched_at: dict[int, float] = {}
         self.step_seconds: Histogram | None = None
+        self.latency: LatencyMetrics | None = None
         self._reset()
         if settings.metrics_port:
             self._serve_metrics(settings.metrics_port)
@@ -108,6 +110,7 @@ class Batcher:
             registry=registry,
             buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0),
         )
+        self.latency = self.book.latency = LatencyMetrics(registry, self.pool)
         serve_metrics(port, registry)
 
     def _reset(self) -> None:
@@ -125,7 +128,7 @@ class Batcher:
             live_ranks=set(),
         )
         self.registry = RankRegistry(self.redis, self.keys, self.pool, s.ranks, s.rank_timeout_s)
-        self.book = RequestBook(self.redis, self.keys, s, self.state, self.stats)
+        self.book = RequestBook(self.redis, self.keys, s, self.state, self.stats, self.latency)
         self.inflight: dict[int, set[int]] = {}
         self.epoch = 0
         self.step = 0
@@ -320,6 +323,11 @@ class Batcher:
         """Send each live rank its share of the step in one pipelined round trip."""
         self.step += 1
         plans = rank_plans(plan, self.book.tracked, self.epoch, self.step, self.settings)
+        if self.latency is not None:
+            for seq in plan.admitted:
+                tracked = self.book.tracked.get(seq.request_id)
+                if tracked is not None:
+                    self.latency.admitted(tracked)
         by_rank = {p.rank: p for p in plans}
         fence = plan.is_empty and not plan.admitted
         for rank in sorted(self.state.ranks):

@@ -159,7 +159,7 @@ def submit(
         window=window,
         total=len(lines),
     )
-    pipe = client.redis.pipeline(transaction=True)
+    pipe = client.redis.pipeline(transaction=False)
     pipe.hset(client.keys.batch(batch_id), mapping=cast(Any, vars(info)))
     pipe.sadd(client.keys.batches, batch_id)
     pipe.execute()
@@ -244,7 +244,7 @@ def _run(client: Client, batch_id: str, info: BatchInfo, lost: threading.Event) 
                 os.fsync(out.fileno())
                 _progress(client.redis, keys, batch_id, done, info.total)
                 reported = time.monotonic()
-    pipe = client.redis.pipeline(transaction=True)
+    pipe = client.redis.pipeline(transaction=False)
     pipe.hset(keys.batch(batch_id), mapping={"state": "finished", "done": done, "stalls": 0})
     pipe.srem(keys.batches, batch_id)
     pipe.execute()
@@ -341,7 +341,7 @@ def hand_back_lapsed(connection: redis.Redis, keys: Keys) -> list[str]:
         if stalls > MAX_STALLS:
             _fail(connection, keys, batch_id, f"its worker died {stalls} times without progress")
             continue
-        pipe = connection.pipeline(transaction=True)
+        pipe = connection.pipeline(transaction=False)
         StartedJobRegistry(queue=queue).remove_executions(job, pipeline=pipe)
         pipe.hset(
             keys.batch(batch_id),
@@ -354,7 +354,7 @@ def hand_back_lapsed(connection: redis.Redis, keys: Keys) -> list[str]:
 
 
 def _fail(connection: redis.Redis, keys: Keys, batch_id: str, reason: str) -> None:
-    pipe = connection.pipeline(transaction=True)
+    pipe = connection.pipeline(transaction=False)
     pipe.hset(keys.batch(batch_id), mapping={"state": "failed", "error": reason})
     pipe.srem(keys.batches, batch_id)
     pipe.execute()

@@ -56,11 +56,13 @@ class EmbeddedRedis:
         password: str | None = None,
         tls: TlsFiles | None = None,
         binary: str | None = None,
+        extra_args: tuple[str, ...] = (),
     ) -> None:
         self.data_dir = data_dir or cache_dir() / "redis"
         self.password = password
         self.tls = tls
         self.binary = binary
+        self.extra_args = extra_args
         self.process: subprocess.Popen[bytes] | None = None
         self.port = 0
 
@@ -111,6 +113,7 @@ class EmbeddedRedis:
             ]
             if self.password:
                 args += ["--requirepass", self.password]
+            args += self.extra_args
             self.process = subprocess.Popen(
                 args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
             )

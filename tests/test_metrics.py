@@ -62,6 +62,10 @@ def test_metrics_counters_move_and_match_the_result_streams(start_pool, client: 
         r["npupool_decode_launches_total"] for r in ranks
     )
     assert all(r["npupool_prefill_launches_total"] >= 1 for r in ranks)
+    # one queue time and one TTFT per request, one inter-token gap per later token
+    assert batcher["npupool_queue_seconds_count"] == batcher["npupool_ttft_seconds_count"] == 12
+    assert batcher["npupool_itl_seconds_count"] == tokens - 12
+    assert 0 < batcher["npupool_queue_seconds_sum"] < batcher["npupool_ttft_seconds_sum"]
 
 
 def test_status_watch_shows_a_live_view_until_interrupted(
