@@ -46,6 +46,7 @@ log = logging.getLogger("npu_pool.batch")
 LEASE_S = 10.0
 PROGRESS_EVERY_S = 0.5
 MAX_STALLS = 3  # hand-backs in a row without a line written before a batch is failed
+RESULT_TTL_S = 24 * 3600  # a line's result stream lives until written, or this long
 PASSTHROUGH = "custom_id"  # an input field echoed on the output line, not sent to the pool
 LINE_FIELDS = SAMPLING_FIELDS | {
     "prompt",
@@ -228,22 +229,21 @@ def _run(client: Client, batch_id: str, info: BatchInfo, lost: threading.Event) 
     done = lines_written(output)
     sent = max(info.sent, done)
     client.redis.hset(keys.batch(batch_id), mapping={"state": "running", "done": done})
-    reported = 0.0
+    reported, written = 0.0, []
     with output.open("ab") as out:
         while done < info.total:
-            if sent < info.total and sent - done < info.window:
-                while sent < info.total and sent - done < info.window:
-                    _send(client, batch_id, sent, lines[sent])
-                    sent += 1
-                client.redis.hset(keys.batch(batch_id), "sent", sent)
+            while sent < info.total and sent - done < info.window:
+                _send(client, batch_id, sent, lines[sent])
+                sent += 1
             record = _wait(client, batch_id, done, lines[done], lost)
             out.write(json.dumps(record).encode() + b"\n")
             out.flush()
+            written.append(keys.result(record["id"]))
             done += 1
             if time.monotonic() - reported > PROGRESS_EVERY_S or done == info.total:
                 os.fsync(out.fileno())
-                _progress(client.redis, keys, batch_id, done, info.total)
-                reported = time.monotonic()
+                _progress(client.redis, keys, batch_id, done, info.total, written)
+                written, reported = [], time.monotonic()
     pipe = client.redis.pipeline(transaction=False)
     pipe.hset(keys.batch(batch_id), mapping={"state": "finished", "done": done, "stalls": 0})
     pipe.srem(keys.batches, batch_id)
@@ -253,16 +253,15 @@ def _run(client: Client, batch_id: str, info: BatchInfo, lost: threading.Event) 
 
 
 def _send(client: Client, batch_id: str, line: int, text: str) -> None:
-    """Put one line's request in the pool unless an earlier run already did."""
-    rid = request_id(batch_id, line)
-    if client.redis.exists(client.keys.result(rid)):
-        return
+    """Put one line's request in the pool and count it sent, in one atomic step."""
     fields_ = parse_line(text, line + 1)
     fields_.pop(PASSTHROUGH, None)
+    fields_.setdefault("result_ttl_s", RESULT_TTL_S)
     prompt, ids = fields_.pop("prompt", None), fields_.pop("prompt_token_ids", None)
+    request = build_request(prompt, ids, request_id(batch_id, line), fields_)
     while True:
         try:
-            client.submit(prompt, prompt_token_ids=ids, request_id=rid, **fields_)
+            client.enqueue(request, mark=(client.keys.batch(batch_id), "sent", line + 1))
             return
         except QueueFull:
             time.sleep(0.5)  # the window bounds what this batch adds; wait for others
@@ -272,7 +271,7 @@ def _wait(
     client: Client, batch_id: str, line: int, text: str, lost: threading.Event
 ) -> dict[str, Any]:
     """The output record of one line, once its completion is final."""
-    while True:
+    while True:  # sent lines are in the pool until written: their streams outlive a pause
         if lost.is_set():
             raise BatchError(f"batch {batch_id}: lease lost to another run; stopping")
         try:
@@ -290,8 +289,15 @@ def _wait(
     return record
 
 
-def _progress(client: redis.Redis, keys: Keys, batch_id: str, done: int, total: int) -> None:
-    client.hset(keys.batch(batch_id), "done", done)
+def _progress(
+    client: redis.Redis, keys: Keys, batch_id: str, done: int, total: int, written: list[str]
+) -> None:
+    """Record progress; drop the result streams whose lines are now in the output."""
+    pipe = client.pipeline(transaction=False)
+    pipe.hset(keys.batch(batch_id), "done", done)
+    for key in written:
+        pipe.unlink(key)
+    pipe.execute()
     job = get_current_job()
     if job is not None:
         job.meta.update({"done": done, "total": total})

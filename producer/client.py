@@ -23,7 +23,7 @@ from schemas.codec import decode, encode
 from schemas.config import Settings, resolve_redis_url
 from schemas.connection import stream_entries
 from schemas.keys import FIELD, Keys
-from schemas.messages import Completion, ResultChunk
+from schemas.messages import Completion, GenerateRequest, ResultChunk
 
 __all__ = ["AsyncClient", "Client", "QueueFull", "RequestFailed"]
 
@@ -56,9 +56,19 @@ class Client:
         **options: Any,
     ) -> str:
         """Enqueue a request; returns its id. Raises QueueFull when the queue is at max_queue."""
-        request = build_request(prompt, prompt_token_ids, request_id, options)
-        reply = self._admit(keys=[self.keys.requests], args=[self.max_queue, encode(request)])
-        parse_admission(reply, self.max_queue)
+        return self.enqueue(build_request(prompt, prompt_token_ids, request_id, options))
+
+    def enqueue(
+        self, request: GenerateRequest, mark: tuple[str, str, str | int] | None = None
+    ) -> str:
+        """Enqueue a built request; with `mark` (hash, field, value), set that hash field in
+        the same atomic step. Raises QueueFull when the queue is at max_queue."""
+        keys = [self.keys.requests]
+        args: list[str | int | bytes] = [self.max_queue, encode(request)]
+        if mark is not None:
+            keys.append(mark[0])
+            args += [mark[1], mark[2]]
+        parse_admission(self._admit(keys=keys, args=args), self.max_queue)
         return request.id
 
     def stream(self, request_id: str, timeout_s: float | None = None) -> Iterator[ResultChunk]:

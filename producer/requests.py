@@ -8,12 +8,18 @@ from typing import Any
 from schemas.messages import Completion, GenerateRequest, ResultChunk, SamplingParams
 
 # XLEN >= max_queue refuses the XADD atomically; returns {"full", depth} or the entry id.
+# KEYS[1]: the request stream; ARGV: max_queue, encoded request. With KEYS[2] and ARGV[3..4],
+# also set that hash field in the same atomic step (batch jobs record what they have sent).
 ADMIT_SCRIPT = """
 local depth = redis.call('XLEN', KEYS[1])
 if depth >= tonumber(ARGV[1]) then
   return {'full', depth}
 end
-return redis.call('XADD', KEYS[1], '*', 'm', ARGV[2])
+local id = redis.call('XADD', KEYS[1], '*', 'm', ARGV[2])
+if KEYS[2] then
+  redis.call('HSET', KEYS[2], ARGV[3], ARGV[4])
+end
+return id
 """
 
 
