@@ -80,6 +80,7 @@ class Batcher:
             "dead": 0,
             "recovered": 0,
             "claimed": 0,
+            "admitted": 0,
         }
         self.queue_depth = 0
         self.dispatched_at: dict[int, float] = {}
@@ -323,6 +324,7 @@ class Batcher:
         """Send each live rank its share of the step in one pipelined round trip."""
         self.step += 1
         plans = rank_plans(plan, self.book.tracked, self.epoch, self.step, self.settings)
+        self.stats["admitted"] += len(plan.admitted)
         if self.latency is not None:
             for seq in plan.admitted:
                 tracked = self.book.tracked.get(seq.request_id)

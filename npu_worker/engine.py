@@ -86,6 +86,10 @@ class RankEngine:
             "mtp_proposed": 0,
             "mtp_accepted": 0,
         }
+        decode_rows = 2 if runner.mtp else 1
+        self.shapes = (f"B1S{runner.prefill_chunk}", f"B{runner.decode_batch}S{decode_rows}")
+        # (shape, seconds from launch to sampled tokens on the host) of the last step
+        self.launch_seconds: list[tuple[str, float]] = []
 
     def reset(self, epoch: int) -> None:
         """Drop every request: a new batcher epoch re-sends what it still wants."""
@@ -103,15 +107,21 @@ class RankEngine:
             epoch=plan.epoch, step=plan.step, rank=self.rank, incarnation=plan.incarnation
         )
         touched: list[RequestState] = []
+        self.launch_seconds = []
+        prefill_shape, decode_shape = self.shapes
         for stop in plan.stops:
             state = self.slots.get(stop.slot)
             if state is not None and state.request_id == stop.request_id:
                 state.finish_reason = FinishReason(stop.finish_reason)
                 touched.append(state)
         for launch in plan.decode_launches:
+            began = time.perf_counter()
             touched += self._decode(launch, result)
+            self.launch_seconds.append((decode_shape, time.perf_counter() - began))
         for chunk in plan.prefill:
+            began = time.perf_counter()
             state = self._prefill(chunk.slot, chunk.start, chunk.num_tokens)
+            self.launch_seconds.append((prefill_shape, time.perf_counter() - began))
             result.num_prefill_launches += 1
             if state is not None:
                 touched.append(state)

@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry
 from npu_worker.engine import RankEngine
 from npu_worker.loader import load_for
 from npu_worker.publisher import Publisher
+from npu_worker.rank_metrics import RankMetrics
 from npu_worker.runner import LaunchRunner
 from npu_worker.startup import rank_hash_reporter
 from schemas.codec import CodecError, decode
@@ -55,6 +56,7 @@ class Worker:
         self.fenced = threading.Event()
         self.incarnation = ""
         self.engine: RankEngine | None = None
+        self.metrics: RankMetrics | None = None
         self.plan_cursor = b"0-0"
 
     def run(self) -> None:
@@ -102,6 +104,7 @@ class Worker:
                 gauges=set(),
             )
         )
+        self.metrics = RankMetrics(registry, self.settings.pool, self.rank)
         serve_metrics(port, registry)
 
     def _go_live(self) -> None:
@@ -165,6 +168,8 @@ class Worker:
             if refused:
                 engine.drop(refused)
             publisher.submit(engine.execute(plan))
+            if self.metrics is not None:
+                self.metrics.step(engine.shapes, engine.launch_seconds)
             if publisher.failed.is_set():
                 self.fenced.set()
             if self.fenced.is_set() or self.stop_event.is_set():

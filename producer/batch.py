@@ -229,7 +229,8 @@ def _run(client: Client, batch_id: str, info: BatchInfo, lost: threading.Event) 
     done = lines_written(output)
     sent = max(info.sent, done)
     client.redis.hset(keys.batch(batch_id), mapping={"state": "running", "done": done})
-    reported, written = 0.0, []
+    # lines a dead run wrote after its last progress report: their streams are not needed
+    reported, written = 0.0, [keys.result(request_id(batch_id, i)) for i in range(info.done, done)]
     with output.open("ab") as out:
         while done < info.total:
             while sent < info.total and sent - done < info.window:

@@ -66,6 +66,12 @@ def test_metrics_counters_move_and_match_the_result_streams(start_pool, client: 
     assert batcher["npupool_queue_seconds_count"] == batcher["npupool_ttft_seconds_count"] == 12
     assert batcher["npupool_itl_seconds_count"] == tokens - 12
     assert 0 < batcher["npupool_queue_seconds_sum"] < batcher["npupool_ttft_seconds_sum"]
+    assert batcher["npupool_admitted_total"] == 12
+    for rank in ranks:  # every launch timed; every step counts both shapes
+        launches = rank["npupool_prefill_launches_total"] + rank["npupool_decode_launches_total"]
+        assert rank["npupool_launch_seconds_count"] == launches
+        assert rank["npupool_launches_per_step_sum"] == launches
+        assert rank["npupool_launches_per_step_count"] == 2 * rank["npupool_steps_total"]
 
 
 def test_status_watch_shows_a_live_view_until_interrupted(
