@@ -28,7 +28,7 @@ from pathlib import Path
 import redis
 from rich.console import Console
 from rich.live import Live
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rq import SimpleWorker
 
 from producer.batch import BatchError, BatchInfo, hand_back_lapsed, queue_of, submit
@@ -82,7 +82,6 @@ def status(client: Client, batch_id: str, watch: bool, as_json: bool) -> int:
         TextColumn("batch {task.fields[batch]} [bold]{task.fields[state]}"),
         BarColumn(),
         MofNCompleteColumn(),
-        TimeElapsedColumn(),
     )
     task = progress.add_task("", total=info.total, completed=info.done, batch=batch_id, state="")
     console = Console()
