@@ -43,8 +43,11 @@ class Client:
         settings = Settings()
         self.keys = Keys(namespace or settings.namespace)
         self.max_queue = max_queue or settings.max_queue
-        self.url = resolve_redis_url(redis_url or settings.redis_url)
-        self.redis = connection if connection is not None else redis.Redis.from_url(self.url)
+        if connection is not None:  # an open connection (an RQ job's): no URL to resolve
+            self.url, self.redis = redis_url or "", connection
+        else:
+            self.url = resolve_redis_url(redis_url or settings.redis_url)
+            self.redis = redis.Redis.from_url(self.url)
         self._admit = self.redis.register_script(ADMIT_SCRIPT)
 
     def submit(

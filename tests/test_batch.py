@@ -137,6 +137,7 @@ def test_plain_rq_worker_runs_a_batch_and_a_rejected_line_keeps_its_place(
     pending = batch_cli(env, "result", batch_id)
     assert pending.returncode == 3 and "queued" in pending.stderr
     rq = Path(sys.executable).with_name("rq")
+    worker_env = {k: v for k, v in env.items() if k != "REDIS_URL"}  # only its --url
     worker = subprocess.run(
         [
             str(rq),
@@ -148,7 +149,7 @@ def test_plain_rq_worker_runs_a_batch_and_a_rejected_line_keeps_its_place(
             "rq.serializers.JSONSerializer",
             KEYS.batch_queue,
         ],
-        env=env,
+        env=worker_env,
         capture_output=True,
         text=True,
         timeout=180,
