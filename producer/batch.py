@@ -63,6 +63,10 @@ class BatchError(Exception):
     """A batch that cannot be submitted or run, with the reason."""
 
 
+class LeaseLost(Exception):
+    """Another run of the batch took its lease: this one stops without writing."""
+
+
 @dataclass
 class BatchInfo:
     """The batch hash (`Keys.batch`)."""
@@ -170,7 +174,7 @@ def submit(
         client.keys.ns,
         job_id=batch_id,
         job_timeout=job_timeout_s,
-        retry=Retry(max=retries),
+        retry=Retry(max=retries) if retries > 0 else None,
         result_ttl=7 * 86400,
         failure_ttl=7 * 86400,
         description=f"npu-pool batch {batch_id} ({len(lines)} requests)",
@@ -200,12 +204,29 @@ def run_batch(batch_id: str, namespace: str) -> int:
     renewer.start()
     try:
         return _run(client, batch_id, info, lost)
+    except LeaseLost:
+        log.warning("batch %s: another run took its lease; this one stops", batch_id)
+        return -1
+    except Exception as exc:
+        _record_failure(client.redis, keys, batch_id, exc, last=not (job and job.retries_left))
+        raise
     finally:
         stop.set()
         renewer.join()
         if not lost.is_set():
             with contextlib.suppress(LockError):
                 lease.release()
+
+
+def _record_failure(
+    client: redis.Redis, keys: Keys, batch_id: str, exc: Exception, last: bool
+) -> None:
+    """Keep the reason a run failed; on its last try the batch is failed."""
+    reason = f"{type(exc).__name__}: {exc}"
+    if last:
+        _fail(client, keys, batch_id, reason)
+    else:
+        client.hset(keys.batch(batch_id), "error", f"{reason} (retrying)")
 
 
 def _renew(lease: Any, stop: threading.Event, lost: threading.Event) -> None:
@@ -246,7 +267,9 @@ def _run(client: Client, batch_id: str, info: BatchInfo, lost: threading.Event) 
                 _progress(client.redis, keys, batch_id, done, info.total, written)
                 written, reported = [], time.monotonic()
     pipe = client.redis.pipeline(transaction=False)
-    pipe.hset(keys.batch(batch_id), mapping={"state": "finished", "done": done, "stalls": 0})
+    pipe.hset(
+        keys.batch(batch_id), mapping={"state": "finished", "done": done, "stalls": 0, "error": ""}
+    )
     pipe.srem(keys.batches, batch_id)
     pipe.execute()
     log.info("batch %s: %d lines written to %s", batch_id, done, output)
@@ -274,14 +297,14 @@ def _wait(
     """The output record of one line, once its completion is final."""
     while True:  # sent lines are in the pool until written: their streams outlive a pause
         if lost.is_set():
-            raise BatchError(f"batch {batch_id}: lease lost to another run; stopping")
+            raise LeaseLost(batch_id)
         try:
             completion = client.result(request_id(batch_id, line), timeout_s=LEASE_S / 2)
             break
         except TimeoutError:
             continue
     if lost.is_set():
-        raise BatchError(f"batch {batch_id}: lease lost to another run; stopping")
+        raise LeaseLost(batch_id)
     record: dict[str, Any] = {"line": line}
     custom = json.loads(text).get(PASSTHROUGH)
     if custom is not None:

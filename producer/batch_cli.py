@@ -96,9 +96,9 @@ def status(client: Client, batch_id: str, watch: bool, as_json: bool) -> int:
                     break
                 time.sleep(0.25)
                 info = BatchInfo.read(client.redis, client.keys, batch_id) or info
-    console.print(f"output: {info.output}")
+    console.print(f"output: {info.output}", soft_wrap=True, highlight=False)
     if info.error:
-        console.print(f"[red]error: {info.error}")
+        console.print(f"error: {info.error}", style="red", soft_wrap=True, highlight=False)
     return 0 if info.state != "failed" else 1
 
 

@@ -189,3 +189,25 @@ def test_submit_refuses_a_bad_file_whole_and_names_the_line(
     assert redis_client.scard(KEYS.batches) == 0
     assert not [k for k in redis_client.keys("rq:job:*")]
     assert batch_cli(env, "status", "nope").returncode == 1
+
+
+def test_a_batch_that_cannot_write_its_output_fails_after_its_retries_with_the_reason(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    env = dict(os.environ, REDIS_URL=redis_url)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory\n")
+    prompts = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "hi", "max_tokens": 2}])
+    out = blocker / "out.jsonl"
+    submitted = batch_cli(env, "submit", str(prompts), "--out", str(out), "--retries", "1")
+    assert submitted.returncode == 0, submitted.stderr
+    batch_id = submitted.stdout.strip()
+    worker = batch_cli(env, "worker", "--burst")
+    assert worker.returncode == 0, worker.stderr[-2000:]
+    assert worker.stderr.count("exception raised while executing") == 2  # a try and a retry
+    shown = batch_cli(env, "status", batch_id)
+    assert shown.returncode == 1 and "failed" in shown.stdout
+    assert "FileExistsError" in shown.stdout and blocker.name in shown.stdout
+    result = batch_cli(env, "result", batch_id)
+    assert result.returncode == 3 and "failed" in result.stderr
+    assert not redis_client.sismember(KEYS.batches, batch_id)
