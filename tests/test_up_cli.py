@@ -60,6 +60,10 @@ def test_up_serves_submit_and_status_on_its_embedded_redis_then_stops_cleanly(tm
         assert pool["pool"] == "default" and [r["rank"] for r in pool["ranks"]] == [0, 1]
         assert all(r["pid"] > 0 and r["device"] == "cpu" for r in pool["ranks"])
         assert pool["batcher"]["pid"] > 0 and status["queue"]["outstanding"] == 0
+        for rank in pool["ranks"]:  # start-up progress ends with every warm-up launch run
+            progress = rank["progress"]
+            assert progress["what"].startswith("warm-up") and progress["total"] > 0
+            assert progress["done"] == progress["total"]
 
         submitted = run_cli(env, "submit", "Hello pool", "--max-tokens", "6", "--json")
         assert submitted.returncode == 0, submitted.stderr
