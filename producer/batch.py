@@ -208,7 +208,8 @@ def run_batch(batch_id: str, namespace: str) -> int:
         log.warning("batch %s: another run took its lease; this one stops", batch_id)
         return -1
     except Exception as exc:
-        _record_failure(client.redis, keys, batch_id, exc, last=not (job and job.retries_left))
+        with contextlib.suppress(redis.RedisError):  # Redis may be why it failed
+            _record_failure(client.redis, keys, batch_id, exc, not (job and job.retries_left))
         raise
     finally:
         stop.set()
@@ -271,6 +272,8 @@ def _run(client: Client, batch_id: str, info: BatchInfo, lost: threading.Event) 
         keys.batch(batch_id), mapping={"state": "finished", "done": done, "stalls": 0, "error": ""}
     )
     pipe.srem(keys.batches, batch_id)
+    for key in written:  # left when a dead run had written every line
+        pipe.unlink(key)
     pipe.execute()
     log.info("batch %s: %d lines written to %s", batch_id, done, output)
     return done
