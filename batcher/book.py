@@ -24,7 +24,7 @@ from batcher.intake import (
     settle,
     write_dead_letter,
 )
-from batcher.latency import LatencyMetrics
+from batcher.metrics import BatcherMetrics
 from batcher.scheduler import PoolState, finish, stop
 from schemas.codec import DeadLetter, Rejected
 from schemas.config import Settings
@@ -46,9 +46,9 @@ class RequestBook:
         settings: Settings,
         state: PoolState,
         stats: dict[str, int],
-        latency: LatencyMetrics | None = None,
+        metrics: BatcherMetrics | None = None,
     ) -> None:
-        self.latency = latency
+        self.metrics = metrics
         self.redis = client
         self.keys = keys
         self.settings = settings
@@ -156,8 +156,8 @@ class RequestBook:
         """Drop a request whose final chunk is written, and settle its entry."""
         finish(self.state, tracked.request_id)
         self.tracked.pop(tracked.request_id, None)
-        if self.latency is not None:
-            self.latency.forget(tracked.request_id)
+        if self.metrics is not None:
+            self.metrics.forget(tracked.request_id)
         settle(pipe, self.keys, tracked.entry_id)
         self.stats["finished"] += 1
 
@@ -201,8 +201,8 @@ class RequestBook:
                 or outcome.admission != tracked.admission
             ):
                 continue
-            if self.latency is not None:
-                self.latency.tokens(tracked, outcome.num_new_tokens)
+            if self.metrics is not None:
+                self.metrics.tokens(tracked, outcome.num_new_tokens)
             tracked.num_published += outcome.num_new_tokens
             self.stats["tokens"] += outcome.num_new_tokens
             if outcome.lost:

@@ -20,7 +20,6 @@ import uuid
 from typing import Any, cast
 
 import redis
-from prometheus_client import CollectorRegistry, Histogram
 from tokenizers import Tokenizer
 
 from batcher.book import RequestBook
@@ -35,7 +34,7 @@ from batcher.durability import (
 from batcher.intake import (
     ModelFacts,
 )
-from batcher.latency import LatencyMetrics
+from batcher.metrics import BatcherMetrics
 from batcher.ranks import RankRegistry
 from batcher.scheduler import (
     PlannerConfig,
@@ -51,7 +50,7 @@ from schemas.connection import connect, last_entry_id, stream_entries
 from schemas.control import RankStepPlan, StepResult
 from schemas.keys import FIELD, GROUP, PLAN_STREAM_MAXLEN, Keys
 from schemas.messages import FinishReason
-from schemas.metrics import CountsCollector, serve_metrics
+from schemas.metrics import serve_metrics
 
 log = logging.getLogger("npu_pool.batcher")
 REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
@@ -84,35 +83,23 @@ class Batcher:
         }
         self.queue_depth = 0
         self.dispatched_at: dict[int, float] = {}
-        self.step_seconds: Histogram | None = None
-        self.latency: LatencyMetrics | None = None
+        self.metrics: BatcherMetrics | None = None
         self._reset()
         if settings.metrics_port:
             self._serve_metrics(settings.metrics_port)
 
     def _serve_metrics(self, port: int) -> None:
-        registry = CollectorRegistry()
-        registry.register(
-            CountsCollector(
-                lambda: {
-                    **self.stats,
-                    "running": len(self.state.running),
-                    "waiting": len(self.state.waiting),
-                    "queue_depth": self.queue_depth,
-                },
-                {"pool": self.pool},
-                gauges={"running", "waiting", "queue_depth"},
-            )
+        self.metrics = self.book.metrics = BatcherMetrics(
+            self.pool,
+            lambda: {
+                **self.stats,
+                "running": len(self.state.running),
+                "waiting": len(self.state.waiting),
+                "queue_depth": self.queue_depth,
+            },
+            gauges={"running", "waiting", "queue_depth"},
         )
-        self.step_seconds = Histogram(
-            "npupool_step_seconds",
-            "dispatch to the last rank's result, per step",
-            ["pool"],
-            registry=registry,
-            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0),
-        )
-        self.latency = self.book.latency = LatencyMetrics(registry, self.pool)
-        serve_metrics(port, registry)
+        serve_metrics(port, self.metrics.registry)
 
     def _reset(self) -> None:
         s = self.settings
@@ -129,7 +116,7 @@ class Batcher:
             live_ranks=set(),
         )
         self.registry = RankRegistry(self.redis, self.keys, self.pool, s.ranks, s.rank_timeout_s)
-        self.book = RequestBook(self.redis, self.keys, s, self.state, self.stats, self.latency)
+        self.book = RequestBook(self.redis, self.keys, s, self.state, self.stats, self.metrics)
         self.inflight: dict[int, set[int]] = {}
         self.epoch = 0
         self.step = 0
@@ -325,11 +312,8 @@ class Batcher:
         self.step += 1
         plans = rank_plans(plan, self.book.tracked, self.epoch, self.step, self.settings)
         self.stats["admitted"] += len(plan.admitted)
-        if self.latency is not None:
-            for seq in plan.admitted:
-                tracked = self.book.tracked.get(seq.request_id)
-                if tracked is not None:
-                    self.latency.admitted(tracked)
+        if self.metrics is not None:
+            self.metrics.admitted(plan.admitted, self.book.tracked)
         by_rank = {p.rank: p for p in plans}
         fence = plan.is_empty and not plan.admitted
         for rank in sorted(self.state.ranks):
@@ -393,8 +377,8 @@ class Batcher:
             if not waiting:
                 del self.inflight[result.step]
                 started = self.dispatched_at.pop(result.step, None)
-                if started is not None and self.step_seconds is not None:
-                    self.step_seconds.labels(self.pool).observe(time.monotonic() - started)
+                if started is not None and self.metrics is not None:
+                    self.metrics.step_seconds.observe(time.monotonic() - started)
 
 
 def build_parser() -> argparse.ArgumentParser:
