@@ -1,0 +1,190 @@
+"""The step planner (DESIGN §3) in hypothesis-driven pool simulations: every plan respects
+capacity, chunking and launch shape; every request finishes; admission keeps its order."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batcher.scheduler import PlannerConfig, PoolState, Sequence, StepPlan, finish, plan_step
+from tests.test_scheduler import DUMMY, ids
+
+
+@dataclass(frozen=True)
+class Arrival:
+    step: int
+    num_prompt_tokens: int
+    max_new_tokens: int
+    priority: int
+    stop_at: int | None  # planned-token count at which it ends early (EOS), if any
+
+
+@dataclass
+class Trace:
+    admitted: list[Sequence]
+    finished: dict[str, Sequence]
+    num_steps: int
+
+
+Before = dict[str, tuple[int, int]]  # request_id -> (num_prefilled, num_planned_tokens) pre-plan
+Check = Callable[[PoolState, StepPlan, Before], None]
+
+configs = st.builds(
+    PlannerConfig,
+    num_ranks=st.integers(1, 8),
+    max_num_seqs=st.integers(1, 64),
+    kv_slots_per_rank=st.integers(1, 16),
+    decode_batch=st.integers(1, 8),
+    prefill_chunk=st.integers(1, 256),
+    prefill_slots=st.integers(1, 4),
+    lockstep=st.booleans(),
+)
+arrivals = st.builds(
+    Arrival,
+    step=st.integers(0, 20),
+    num_prompt_tokens=st.integers(1, 600),
+    max_new_tokens=st.integers(1, 40),
+    priority=st.integers(0, 2),
+    stop_at=st.none() | st.integers(0, 40),
+)
+# draw the size first: plain st.lists leans to a handful of requests and the pool never fills
+workloads = st.integers(0, 40).flatmap(lambda n: st.lists(arrivals, min_size=n, max_size=n))
+
+
+def step_bound(config: PlannerConfig, arrivals: list[Arrival]) -> int:
+    """Steps a fully serial pool would need: each step advances at least one request."""
+    work = sum(-(-a.num_prompt_tokens // config.prefill_chunk) + a.max_new_tokens for a in arrivals)
+    return max((a.step for a in arrivals), default=0) + work + 2
+
+
+def simulate(config: PlannerConfig, arrivals: list[Arrival], *checks: Check) -> Trace:
+    """Run the pool until every request has finished, calling `checks` on every plan."""
+    state = PoolState(config)
+    pending = sorted(enumerate(arrivals), key=lambda item: (item[1].step, item[0]))
+    ends: dict[str, int] = {}  # planned-token count at which each request is finished
+    trace = Trace(admitted=[], finished={}, num_steps=0)
+    bound = step_bound(config, arrivals)
+    while pending or state.waiting or state.running:
+        assert trace.num_steps < bound, f"starvation: {len(trace.finished)}/{len(arrivals)} done"
+        while pending and pending[0][1].step <= trace.num_steps:
+            index, a = pending.pop(0)
+            request_id = f"r{index}"
+            seq = Sequence(request_id, a.num_prompt_tokens, a.max_new_tokens, len(ends), a.priority)
+            state.waiting.append(seq)
+            ends[request_id] = a.max_new_tokens if a.stop_at is None else a.stop_at
+        before = {
+            s.request_id: (s.num_prefilled, s.num_planned_tokens)
+            for s in [*state.waiting, *state.running.values()]
+        }
+        plan = plan_step(state)
+        for check in checks:
+            check(state, plan, before)
+        trace.admitted += plan.admitted
+        for seq in list(state.running.values()):
+            if seq.num_planned_tokens >= min(seq.max_new_tokens, ends[seq.request_id]):
+                finish(state, seq.request_id)
+                trace.finished[seq.request_id] = seq
+        trace.num_steps += 1
+    return trace
+
+
+def check_capacity_and_chunks(state: PoolState, plan: StepPlan, before: Before) -> None:
+    """Launch sizes, chunk contiguity, one appearance per request, and KV slot bookkeeping."""
+    config = state.config
+    seen: list[str] = []
+    for launch in plan.decode_launches:
+        for rank, rows in launch.items():
+            assert len(rows) <= config.decode_batch
+            for seq in rows:
+                prefilled, planned = before[seq.request_id]
+                assert seq.rank == rank
+                assert prefilled >= seq.num_prompt_tokens, "decoded before fully prefilled"
+                assert planned < seq.max_new_tokens and seq.num_planned_tokens == planned + 1
+            seen += ids(rows)
+    for rank, chunks in plan.prefill.items():
+        assert len(chunks) <= config.prefill_slots
+        for work in chunks:
+            if config.lockstep and work == DUMMY:
+                continue
+            seq = state.running[work.request_id]
+            assert (seq.rank, seq.slot) == (rank, work.slot)
+            assert 1 <= work.num_tokens <= config.prefill_chunk
+            assert work.start == before[work.request_id][0]
+            assert seq.num_prefilled == work.start + work.num_tokens <= seq.num_prompt_tokens
+            seen.append(work.request_id)
+    assert len(seen) == len(set(seen)), "a request planned twice in one step"
+    assert len(state.running) <= config.max_num_seqs
+    assert all(s.num_planned_tokens <= s.max_new_tokens for s in state.running.values())
+    held = [(s.rank, s.slot) for s in state.running.values()]
+    assert len(set(held)) == len(held), "two running requests share a KV slot"
+    for rank, free in enumerate(state.free_slots):  # held and free partition every rank's slots
+        slots = [slot for r, slot in held if r == rank]
+        assert len(slots) <= config.kv_slots_per_rank
+        assert sorted(slots + free) == list(range(config.kv_slots_per_rank))
+
+
+def check_launch_shape(state: PoolState, plan: StepPlan, before: Before) -> None:
+    """max over ranks of ceil(rows / decode_batch) launches; lockstep pads, otherwise no padding."""
+
+    def decodes(seq: Sequence) -> bool:
+        prefilled, planned = before[seq.request_id]
+        return prefilled >= seq.num_prompt_tokens and planned < seq.max_new_tokens
+
+    per_rank = [
+        sum(1 for s in state.running.values() if s.rank == r and decodes(s))
+        for r in range(state.config.num_ranks)
+    ]
+    assert len(plan.decode_launches) == max(-(-n // state.config.decode_batch) for n in per_rank)
+    if state.config.lockstep:
+        ranks = set(range(state.config.num_ranks))
+        assert all(set(launch) == ranks for launch in plan.decode_launches)
+        assert not plan.prefill or (
+            set(plan.prefill) == ranks and len({len(c) for c in plan.prefill.values()}) == 1
+        )
+    else:
+        assert all(all(launch.values()) for launch in plan.decode_launches)
+        assert all(DUMMY not in chunks and chunks for chunks in plan.prefill.values())
+
+
+def check_admission_order(state: PoolState, plan: StepPlan, before: Before) -> None:
+    """Whatever still waits ranks after every request admitted this step."""
+    for seq in plan.admitted:
+        assert all((-w.priority, w.order) > (-seq.priority, seq.order) for w in state.waiting), (
+            "a request was admitted ahead of an older one of equal or higher priority"
+        )
+
+
+@settings(max_examples=200, deadline=None)
+@given(config=configs, arrivals=workloads)
+def test_every_plan_respects_capacity_chunking_and_launch_shape(
+    config: PlannerConfig, arrivals: list[Arrival]
+) -> None:
+    simulate(config, arrivals, check_capacity_and_chunks, check_launch_shape)
+
+
+@settings(max_examples=200, deadline=None)
+@given(config=configs, arrivals=workloads)
+def test_every_request_finishes_within_a_bounded_number_of_steps(
+    config: PlannerConfig, arrivals: list[Arrival]
+) -> None:
+    trace = simulate(config, arrivals)
+    assert sorted(trace.finished) == sorted(f"r{i}" for i in range(len(arrivals)))
+    for i, a in enumerate(arrivals):
+        seq = trace.finished[f"r{i}"]
+        if a.stop_at is None or a.stop_at >= a.max_new_tokens:  # ran to its limit, not to EOS
+            assert seq.num_prefilled == a.num_prompt_tokens
+            assert seq.num_planned_tokens == a.max_new_tokens
+
+
+@settings(max_examples=200, deadline=None)
+@given(config=configs, arrivals=workloads)
+def test_admission_follows_priority_then_arrival_order(
+    config: PlannerConfig, arrivals: list[Arrival]
+) -> None:
+    trace = simulate(config, arrivals, check_admission_order)
+    for priority in range(3):
+        orders = [s.order for s in trace.admitted if s.priority == priority]
+        assert orders == sorted(orders)
