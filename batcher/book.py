@@ -13,6 +13,7 @@ import time
 import redis
 from tokenizers import Tokenizer
 
+from batcher.chat import ChatTemplate
 from batcher.durability import Delivery
 from batcher.intake import (
     ModelFacts,
@@ -59,6 +60,7 @@ class RequestBook:
         self.pending_stops: dict[int, list[SlotStop]] = {}
         self.order = 0
         self.tokenizer: Tokenizer | None = None
+        self.chat: ChatTemplate | None = None
         self.facts = ModelFacts(vocab_size=0, max_model_len=settings.max_model_len)
 
     def accept(self, deliveries: list[Delivery], resume: bool) -> None:
@@ -86,6 +88,7 @@ class RequestBook:
                     self.tokenizer,
                     self.facts,
                     self.settings.max_request_bytes,
+                    self.chat,
                 )
             except DeadLetter as exc:
                 write_dead_letter(pipe, self.keys, d.entry_id, d.fields, str(exc))

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import redis
 from tokenizers import Tokenizer
 
+from batcher.chat import ChatTemplate, ChatTemplateError
 from batcher.scheduler import Sequence
 from schemas.codec import DeadLetter, Rejected, decode_request
 from schemas.keys import FIELD, GROUP, Keys
@@ -52,7 +53,11 @@ class Tracked:
 
 
 def parse_entry(
-    raw: bytes | None, tokenizer: Tokenizer, facts: ModelFacts, max_request_bytes: int
+    raw: bytes | None,
+    tokenizer: Tokenizer,
+    facts: ModelFacts,
+    max_request_bytes: int,
+    chat: ChatTemplate | None = None,
 ) -> tuple[GenerateRequest, list[int]]:
     """Decode and validate one entry's payload; raises DeadLetter or Rejected."""
     if raw is None:
@@ -68,6 +73,8 @@ def parse_entry(
                 f"field `prompt_token_ids`: token id {bad[0]} is outside the "
                 f"vocabulary of {facts.vocab_size}",
             )
+    elif request.messages is not None:
+        prompt_ids = _render_chat(request, tokenizer, chat)
     else:
         prompt_ids = tokenizer.encode(request.prompt or "").ids
     limit = facts.max_model_len
@@ -86,6 +93,23 @@ def parse_entry(
             f"max_model_len={limit}",
         )
     return request, prompt_ids
+
+
+def _render_chat(
+    request: GenerateRequest, tokenizer: Tokenizer, chat: ChatTemplate | None
+) -> list[int]:
+    """The token ids of a chat request: its messages through the model's template."""
+    if chat is None:
+        raise Rejected(
+            request.id,
+            "invalid_request",
+            "field `messages`: the served model has no chat template; send `prompt` instead",
+        )
+    try:
+        text = chat.render(request.messages or [])
+    except ChatTemplateError as exc:
+        raise Rejected(request.id, "invalid_request", f"field `messages`: {exc}") from exc
+    return tokenizer.encode(text, add_special_tokens=False).ids
 
 
 def make_sequence(tracked: Tracked, order: int, max_model_len: int) -> Sequence:

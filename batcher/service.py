@@ -23,6 +23,7 @@ import redis
 from tokenizers import Tokenizer
 
 from batcher.book import RequestBook
+from batcher.chat import ChatTemplate
 from batcher.dispatch import rank_plans
 from batcher.durability import (
     Delivery,
@@ -241,6 +242,15 @@ class Batcher:
         if raw is None:
             return False
         self.book.tokenizer = Tokenizer.from_str(cast(bytes, raw).decode())
+        template = self.redis.get(self.keys.chat_template(self.pool))
+        self.book.chat = None
+        if template is not None:
+            try:
+                self.book.chat = ChatTemplate.from_json(cast(bytes, template))
+            except (ValueError, KeyError) as exc:
+                log.error(
+                    "the model's chat template is unusable (%s); chat requests are refused", exc
+                )
         self.book.facts = ModelFacts(self.registry.vocab_size, self.settings.max_model_len)
         return True
 

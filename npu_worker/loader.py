@@ -33,6 +33,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     dtype: torch.dtype
     device: torch.device
+    chat_template: dict[str, str] | None = None
 
 
 def resolve_model_dir(model: str, progress: ReportProgress = no_progress) -> Path:
@@ -96,7 +97,33 @@ def load_model(
     model.to(device=device, dtype=dtype).eval()
     model.rope_cos = model.rope_cos.float()
     model.rope_sin = model.rope_sin.float()
-    return LoadedModel(path, config, model, tokenizer, dtype, device)
+    return LoadedModel(path, config, model, tokenizer, dtype, device, read_chat_template(path))
+
+
+def read_chat_template(path: Path) -> dict[str, str] | None:
+    """The model's chat template and its special tokens, as Hugging Face directories keep
+    them (`chat_template.jinja`, or `chat_template` in `tokenizer_config.json`)."""
+    config_path = path / "tokenizer_config.json"
+    config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    jinja = path / "chat_template.jinja"
+    template = jinja.read_text() if jinja.exists() else config.get("chat_template")
+    if isinstance(template, list):  # named templates: the default one serves chat
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if not isinstance(template, str) or not template:
+        return None
+    return {
+        "template": template,
+        "bos_token": _token_text(config.get("bos_token")),
+        "eos_token": _token_text(config.get("eos_token")),
+    }
+
+
+def _token_text(value: object) -> str:
+    """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else ""
 
 
 def _is_tied(model: CausalLM) -> bool:

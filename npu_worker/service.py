@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -126,7 +127,14 @@ class Worker:
         loaded = load_for(settings, progress)
         device = loaded.device
         if self.rank == 0:
-            self.redis.set(self.keys.tokenizer(settings.pool), loaded.tokenizer.to_str())
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.set(self.keys.tokenizer(settings.pool), loaded.tokenizer.to_str())
+            chat_key = self.keys.chat_template(settings.pool)
+            if loaded.chat_template is not None:
+                pipe.set(chat_key, json.dumps(loaded.chat_template))
+            else:
+                pipe.delete(chat_key)
+            pipe.execute()
         self.redis.hset(
             self.rank_key,
             mapping={

@@ -23,9 +23,15 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from npu_worker.startup import ReportProgress, no_progress
 from schemas.config import cache_dir
 
-TINY_VERSION = "tiny-v2"
-SMALL_VERSION = "small-v1"
+TINY_VERSION = "tiny-v3"
+SMALL_VERSION = "small-v2"
 BOS, EOS = "<|bos|>", "<|eos|>"
+# A ChatML-style template over the presets' own special tokens, so chat requests work on them.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ bos_token }}{{ message['role'] }}\n"
+    "{{ message['content'] }}{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}{{ bos_token }}assistant\n{% endif %}"
+)
 TINY_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
@@ -101,7 +107,7 @@ def build_tiny_model(
     """Write config.json, generation_config.json, tokenizer.json and model.safetensors."""
     progress("building the tiny model: tokenizer", 0, 1)
     tokenizer = _train_tokenizer(vocab_size)
-    tokenizer.save(str(out / "tokenizer.json"))
+    _save_tokenizer(tokenizer, out)
     config = dict(
         TINY_CONFIG,
         vocab_size=tokenizer.get_vocab_size(),
@@ -126,7 +132,7 @@ def build_small_model(out: Path, seed: int = 0, progress: ReportProgress = no_pr
     """The ~100M-parameter preset: same tokenizer, a vocabulary padded to 16384 rows."""
     progress("building the small model", 0, 1)
     tokenizer = _train_tokenizer(512)
-    tokenizer.save(str(out / "tokenizer.json"))
+    _save_tokenizer(tokenizer, out)
     config = dict(
         SMALL_CONFIG,
         vocab_size=SMALL_VOCAB,
@@ -138,6 +144,13 @@ def build_small_model(out: Path, seed: int = 0, progress: ReportProgress = no_pr
         json.dumps({"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]})
     )
     save_file(_random_weights(config, seed), str(out / "model.safetensors"))
+
+
+def _save_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
+    """tokenizer.json, and tokenizer_config.json with the special tokens and chat template."""
+    tokenizer.save(str(out / "tokenizer.json"))
+    config = {"bos_token": BOS, "eos_token": EOS, "chat_template": CHAT_TEMPLATE}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
 
 def _train_tokenizer(vocab_size: int) -> Tokenizer:

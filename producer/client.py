@@ -23,7 +23,7 @@ from schemas.codec import decode, encode
 from schemas.config import Settings, resolve_redis_url
 from schemas.connection import stream_entries
 from schemas.keys import FIELD, Keys
-from schemas.messages import Completion, GenerateRequest, ResultChunk
+from schemas.messages import ChatMessage, Completion, GenerateRequest, ResultChunk
 
 __all__ = ["AsyncClient", "Client", "QueueFull", "RequestFailed"]
 
@@ -98,6 +98,16 @@ class Client:
     ) -> Completion:
         """Submit and wait for the completion."""
         return self.result(self.submit(prompt, **options), timeout_s=timeout_s)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[ChatMessage],
+        *,
+        timeout_s: float | None = None,
+        **options: Any,
+    ) -> Completion:
+        """Submit `messages` (rendered with the model's chat template) and wait for the reply."""
+        return self.result(self.submit(messages=messages, **options), timeout_s=timeout_s)
 
     def cancel(self, request_id: str) -> None:
         """Ask the pool to stop a request; its stream ends with `cancelled`."""
@@ -188,6 +198,18 @@ class AsyncClient:
     ) -> Completion:
         """Submit and wait for the completion."""
         return await self.result(await self.submit(prompt, **options), timeout_s=timeout_s)
+
+    async def chat(
+        self,
+        messages: list[dict[str, str]] | list[ChatMessage],
+        *,
+        timeout_s: float | None = None,
+        **options: Any,
+    ) -> Completion:
+        """Submit `messages` (rendered with the model's chat template) and wait for the reply."""
+        return await self.result(
+            await self.submit(messages=messages, **options), timeout_s=timeout_s
+        )
 
     async def cancel(self, request_id: str) -> None:
         """Ask the pool to stop a request; its stream ends with `cancelled`."""

@@ -55,7 +55,7 @@ def build_request(
 ) -> GenerateRequest:
     """A GenerateRequest from `submit` arguments; unknown keywords are a TypeError."""
     sampling = {k: options.pop(k) for k in list(options) if k in SAMPLING_FIELDS}
-    allowed = {"priority", "deadline_ms", "result_ttl_s", "metadata"}
+    allowed = {"messages", "priority", "deadline_ms", "result_ttl_s", "metadata"}
     unknown = set(options) - allowed
     if unknown:
         raise TypeError(f"unknown submit() keyword(s): {', '.join(sorted(unknown))}")

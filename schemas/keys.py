@@ -84,6 +84,10 @@ class Keys:
         """String holding the pool's tokenizer.json, published by rank 0."""
         return f"{self.ns}:pool:{pool}:tokenizer"
 
+    def chat_template(self, pool: str) -> str:
+        """String holding the model's chat template as JSON, published by rank 0."""
+        return f"{self.ns}:pool:{pool}:chat_template"
+
     def lease(self, pool: str) -> str:
         """The pool batcher's lease (string with a TTL)."""
         return f"{self.ns}:pool:{pool}:lease"

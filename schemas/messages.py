@@ -15,6 +15,7 @@ REQUEST_ID_RE = re.compile(REQUEST_ID_PATTERN)
 MAX_METADATA_ITEMS = 32
 MAX_METADATA_CHARS = 1024
 MAX_LOGPROBS = 20
+MAX_CHAT_MESSAGES = 256
 
 
 class FinishReason(str, Enum):
@@ -68,6 +69,13 @@ class SamplingParams(_Wire):
         return value
 
 
+class ChatMessage(_Wire):
+    """One turn of a chat, rendered into the prompt with the model's chat template."""
+
+    role: Annotated[str, Field(min_length=1, max_length=32)]
+    content: str
+
+
 class GenerateRequest(_Wire):
     """One generation request, field `m` of a `{ns}:requests` entry."""
 
@@ -75,6 +83,7 @@ class GenerateRequest(_Wire):
     id: Annotated[str, Field(pattern=REQUEST_ID_PATTERN)]
     prompt: str | None = None
     prompt_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, max_length=MAX_CHAT_MESSAGES)
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     priority: int = 0
     deadline_ms: int | None = Field(default=None, ge=0)
@@ -98,12 +107,15 @@ class GenerateRequest(_Wire):
 
     @model_validator(mode="after")
     def _one_prompt(self) -> GenerateRequest:
-        if (self.prompt is None) == (self.prompt_token_ids is None):
-            raise ValueError("give exactly one of `prompt` or `prompt_token_ids`")
+        given = [self.prompt, self.prompt_token_ids, self.messages]
+        if sum(value is not None for value in given) != 1:
+            raise ValueError("give exactly one of `prompt`, `prompt_token_ids` or `messages`")
         if self.prompt_token_ids is not None and not self.prompt_token_ids:
             raise ValueError("`prompt_token_ids` is empty")
         if self.prompt is not None and not self.prompt:
             raise ValueError("`prompt` is empty")
+        if self.messages is not None and not self.messages:
+            raise ValueError("`messages` is empty")
         return self
 
 
