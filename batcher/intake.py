@@ -72,6 +72,7 @@ def parse_entry(
                 "invalid_request",
                 f"field `prompt_token_ids`: token id {bad[0]} is outside the "
                 f"vocabulary of {facts.vocab_size}",
+                len(prompt_ids),
             )
     elif request.messages is not None:
         prompt_ids = _render_chat(request, tokenizer, chat)
@@ -84,6 +85,7 @@ def parse_entry(
             "prompt_too_long",
             f"field `prompt`: {len(prompt_ids)} tokens leave no room for a completion "
             f"within max_model_len={limit}",
+            len(prompt_ids),
         )
     if request.sampling.max_tokens > limit:
         raise Rejected(
@@ -91,6 +93,7 @@ def parse_entry(
             "invalid_request",
             f"field `sampling.max_tokens`: {request.sampling.max_tokens} exceeds "
             f"max_model_len={limit}",
+            len(prompt_ids),
         )
     return request, prompt_ids
 
@@ -187,6 +190,7 @@ def reject(
         index=0,
         finish_reason=FinishReason.REJECTED,
         error=ErrorInfo(code=exc.code, message=exc.message),
+        usage=Usage(prompt_tokens=exc.prompt_tokens, completion_tokens=0),
     )
     writer.append(pipe, chunk, ttl_s)
     settle(pipe, keys, entry_id)

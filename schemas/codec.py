@@ -23,11 +23,12 @@ class DeadLetter(CodecError):
 class Rejected(CodecError):
     """A request entry with a usable id but a bad field: it gets a final `rejected` chunk."""
 
-    def __init__(self, request_id: str, code: str, message: str) -> None:
+    def __init__(self, request_id: str, code: str, message: str, prompt_tokens: int = 0) -> None:
         super().__init__(message)
         self.request_id = request_id
         self.code = code
         self.message = message
+        self.prompt_tokens = prompt_tokens  # for the chunk's usage, when the prompt was read
 
 
 def encode(message: BaseModel) -> bytes:
