@@ -9,6 +9,7 @@ import redis
 from tokenizers import Tokenizer
 
 from batcher.chat import ChatTemplate, ChatTemplateError
+from batcher.queue import arrival_ms, urgency
 from batcher.scheduler import Sequence
 from schemas.codec import DeadLetter, Rejected, decode_request
 from schemas.keys import FIELD, GROUP, Keys
@@ -33,8 +34,11 @@ class Tracked:
     """
 
     entry_id: bytes
+    stream: str  # the request stream (priority class) the entry is on
     request: GenerateRequest
     prompt_ids: list[int]
+    times_delivered: int = 1  # deliveries so far: reads, claims and lost ranks
+    payload: bytes = b""  # the entry's field `m`, for a dead letter
     seq: Sequence | None = None
     resumed_ids: list[int] = field(default_factory=list)
     start_seq: int = 0
@@ -115,19 +119,21 @@ def _render_chat(
     return tokenizer.encode(text, add_special_tokens=False).ids
 
 
-def make_sequence(tracked: Tracked, order: int, max_model_len: int) -> Sequence:
+def make_sequence(tracked: Tracked, order: int, max_model_len: int, aging_s: float) -> Sequence:
     """The planner's view of a request, resuming after any tokens already published."""
     request = tracked.request
     num_context = len(tracked.prompt_ids) + len(tracked.resumed_ids)
     max_new = min(
         request.sampling.max_tokens - len(tracked.resumed_ids), max_model_len - num_context
     )
-    return Sequence(request.id, num_context, max_new, order, request.priority)
+    rank_by = urgency(request.priority, arrival_ms(tracked.entry_id), aging_s * 1000)
+    return Sequence(request.id, num_context, max_new, order, rank_by)
 
 
 def write_dead_letter(
     pipe: redis.client.Pipeline,
     keys: Keys,
+    stream: str,
     entry_id: bytes,
     fields: dict[bytes, bytes] | None,
     reason: str,
@@ -145,13 +151,13 @@ def write_dead_letter(
         maxlen=100_000,
         approximate=True,
     )
-    settle(pipe, keys, entry_id)
+    settle(pipe, stream, entry_id)
 
 
-def settle(pipe: redis.client.Pipeline, keys: Keys, entry_id: bytes) -> None:
+def settle(pipe: redis.client.Pipeline, stream: str, entry_id: bytes) -> None:
     """Acknowledge and delete a request entry whose final chunk is written."""
-    pipe.xack(keys.requests, GROUP, entry_id)
-    pipe.xdel(keys.requests, entry_id)
+    pipe.xack(stream, GROUP, entry_id)
+    pipe.xdel(stream, entry_id)
 
 
 def end_by_batcher(
@@ -178,13 +184,19 @@ def end_by_batcher(
 def reject(
     pipe: redis.client.Pipeline,
     writer: ResultWriter,
-    keys: Keys,
+    stream: str,
     entry_id: bytes,
     exc: Rejected,
     ttl_s: int,
 ) -> None:
     """Answer a parsable but bad entry with a final `rejected` chunk and drop the entry."""
-    chunk = ResultChunk(
+    writer.append(pipe, rejection_chunk(exc), ttl_s)
+    settle(pipe, stream, entry_id)
+
+
+def rejection_chunk(exc: Rejected) -> ResultChunk:
+    """The one chunk of a rejected request's stream."""
+    return ResultChunk(
         id=exc.request_id,
         seq=0,
         index=0,
@@ -192,5 +204,3 @@ def reject(
         error=ErrorInfo(code=exc.code, message=exc.message),
         usage=Usage(prompt_tokens=exc.prompt_tokens, completion_tokens=0),
     )
-    writer.append(pipe, chunk, ttl_s)
-    settle(pipe, keys, entry_id)

@@ -20,7 +20,7 @@ from npu_worker.mtp import accept_drafts
 from npu_worker.runner import LaunchRunner
 from npu_worker.sampler import SamplingRows, sample, sampling_rows, token_logprobs
 from npu_worker.stops import StopStrings
-from schemas.control import NewRequest, RankStepPlan, RequestOutcome, StepResult
+from schemas.control import PREEMPTED, NewRequest, RankStepPlan, RequestOutcome, StepResult
 from schemas.messages import FinishReason, ResultChunk, SamplingParams, Usage
 
 
@@ -111,7 +111,12 @@ class RankEngine:
         prefill_shape, decode_shape = self.shapes
         for stop in plan.stops:
             state = self.slots.get(stop.slot)
-            if state is not None and state.request_id == stop.request_id:
+            if state is None or state.request_id != stop.request_id:
+                result.outcomes.append(_released(stop.request_id, stop.admission))
+            elif stop.finish_reason == PREEMPTED:
+                del self.slots[stop.slot]
+                result.outcomes.append(_released(state.request_id, state.admission))
+            else:
                 state.finish_reason = FinishReason(stop.finish_reason)
                 touched.append(state)
         for launch in plan.decode_launches:
@@ -317,6 +322,13 @@ class RankEngine:
             if final:
                 self.slots.pop(state.slot, None)
         return StepOutput(chunks, result)
+
+
+def _released(request_id: str, admission: int) -> RequestOutcome:
+    """The outcome of a request this rank no longer holds, unfinished."""
+    return RequestOutcome(
+        request_id=request_id, admission=admission, num_new_tokens=0, released=True
+    )
 
 
 def _seed_of(request_id: str) -> int:

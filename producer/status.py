@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import time
 from typing import Any, cast
 
 import redis
 
 from schemas.connection import hash_fields
-from schemas.keys import GROUP, Keys
+from schemas.keys import GROUP, PRIORITY_CLASSES, Keys
 
 STALE_AFTER_MS = 10_000
 
@@ -64,6 +66,7 @@ def pool_status(client: redis.Redis, keys: Keys, pool: str, now_ms: int) -> dict
         "rejected": _int(info, "rejected"),
         "decode_launches": _int(info, "decode_launches"),
         "padding_rows": _int(info, "padding_rows"),
+        "preempted": _int(info, "preempted"),
         "mtp": mtp_summary(_int(info, "mtp_proposed"), _int(info, "mtp_accepted")),
     }
 
@@ -83,20 +86,48 @@ def collect_status(client: redis.Redis, keys: Keys) -> dict[str, Any]:
     """Every registered pool and the queue, as `npu-pool status --json` prints them."""
     now_ms = int(time.time() * 1000)
     pools = _pool_names(client, keys)
-    pending = 0
-    try:
-        groups = client.xinfo_groups(keys.requests)
-        pending = sum(int(g["pending"]) for g in groups if g["name"] in (GROUP, GROUP.encode()))
-    except redis.ResponseError:
-        pass
+    by_class = queue_depths(client, keys)
     return {
         "pools": [pool_status(client, keys, pool, now_ms) for pool in pools],
         "queue": {
-            "outstanding": int(client.xlen(keys.requests)),
-            "in_progress": pending,
+            "outstanding": sum(depth for depth, _ in by_class.values()),
+            "in_progress": sum(pending for _, pending in by_class.values()),
+            "by_priority": {str(c): d for c, (d, _) in by_class.items() if d},
             "dead": int(client.xlen(keys.dead)),
         },
+        "limits": namespace_limits(client, keys),
     }
+
+
+def queue_depths(client: redis.Redis, keys: Keys) -> dict[int, tuple[int, int]]:
+    """(entries, entries held by pools) of each priority class's request stream."""
+    pipe = client.pipeline(transaction=False)
+    for stream in keys.request_streams:
+        pipe.xlen(stream)
+        pipe.xinfo_groups(stream)
+    replies = pipe.execute(raise_on_error=False)
+    found: dict[int, tuple[int, int]] = {}
+    for i, klass in enumerate(PRIORITY_CLASSES):
+        depth, groups = replies[2 * i], replies[2 * i + 1]
+        pending = 0
+        if isinstance(groups, list):
+            pending = sum(int(g["pending"]) for g in groups if g["name"] in (GROUP, GROUP.encode()))
+        found[klass] = (int(depth) if isinstance(depth, int) else 0, pending)
+    return found
+
+
+def namespace_limits(client: redis.Redis, keys: Keys) -> dict[str, Any]:
+    """The limits admission applies, and each pool's own (they may disagree)."""
+    raw = hash_fields(client.hgetall(keys.limits))
+    limits: dict[str, Any] = {"pools": {}}
+    for field, value in raw.items():
+        name = field.decode()
+        if name.startswith("pool:"):
+            with contextlib.suppress(ValueError):
+                limits["pools"][name[5:]] = json.loads(value)
+        else:
+            limits[name] = int(value)
+    return limits
 
 
 def ready_pool(client: redis.Redis, keys: Keys, pool: str | None = None) -> str | None:

@@ -73,6 +73,16 @@ def decode_request(raw: bytes, max_request_bytes: int) -> GenerateRequest:
         raise Rejected(request_id, "invalid_request", _describe(exc)) from exc
 
 
+def request_id_of(raw: bytes | None) -> str | None:
+    """The usable `id` of a request entry's payload, if it has one."""
+    try:
+        request_id = _unpack_map(raw or b"").get("id")
+    except CodecError:
+        return None
+    ok = isinstance(request_id, str) and REQUEST_ID_RE.match(request_id)
+    return request_id if ok else None
+
+
 def _unpack_map(raw: bytes) -> dict[str, Any]:
     try:
         data = msgpack.unpackb(raw, raw=False, strict_map_key=False)
