@@ -177,7 +177,7 @@ class Batcher:
             self._intake(block_ms=0 if busy else 100)
         while len(self.inflight) < self.settings.max_inflight_steps:
             plan = plan_step(self.state)
-            if plan.is_empty and not self.book.pending_stops:
+            if plan.is_empty and not plan.preempted and not self.book.pending_stops:
                 break
             self._dispatch(plan)
         if self.inflight:
