@@ -20,14 +20,21 @@ from producer.requests import (
     build_request,
     parse_admission,
 )
-from producer.status import ready_pool
+from producer.status import PoolFailed, ready_pool
 from schemas.codec import decode
 from schemas.config import Settings, resolve_redis_url
 from schemas.connection import stream_entries
 from schemas.keys import FIELD, Keys
 from schemas.messages import ChatMessage, Completion, GenerateRequest, ResultChunk
 
-__all__ = ["AsyncClient", "Client", "QueueFull", "RequestFailed", "RequestTooLarge"]
+__all__ = [
+    "AsyncClient",
+    "Client",
+    "PoolFailed",
+    "QueueFull",
+    "RequestFailed",
+    "RequestTooLarge",
+]
 
 BLOCK_MS = 1000
 
@@ -115,7 +122,8 @@ class Client:
         pipe.execute()
 
     def wait_ready(self, timeout_s: float = 60.0, pool: str | None = None) -> str:
-        """Block until a pool (or the named one) has all ranks ready; returns its name."""
+        """Block until a pool (or the named one) has all ranks ready; returns its name.
+        Raises PoolFailed with the reason when a rank cannot start (no restart would help)."""
         deadline = time.monotonic() + timeout_s
         while True:
             name = ready_pool(self.redis, self.keys, pool)

@@ -16,9 +16,9 @@ from rich.live import Live
 from rich.table import Table
 
 from producer.client import AsyncClient, Client
-from producer.embedded import EmbeddedRedis
+from producer.embedded import DataDirInUse, EmbeddedRedis
 from producer.launcher import PoolProcesses
-from producer.status import pool_status
+from producer.status import PoolFailed, pool_status
 from producer.status_view import wait_ready_live
 from schemas.config import Settings, add_settings_flags, cache_dir, settings_from_args
 
@@ -197,6 +197,9 @@ def main(argv: list[str]) -> int:
         wall_s = time.monotonic() - started
         console.print(_summary(rows, wall_s, settings, _pool_stats(url, settings, len(rows))))
         ok = all(r.finish_reason in ("stop", "length") for r in rows)
+    except (PoolFailed, DataDirInUse) as exc:
+        console.print(f"[red]npu-pool demo: {exc}[/]")
+        return 1
     finally:
         with console.status("shutting down"):
             if processes is not None:

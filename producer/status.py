@@ -15,6 +15,10 @@ from schemas.keys import GROUP, PRIORITY_CLASSES, Keys
 STALE_AFTER_MS = 10_000
 
 
+class PoolFailed(RuntimeError):
+    """A pool cannot serve: one of its ranks failed to start, for a reason restarts don't fix."""
+
+
 def _text(info: dict[bytes, bytes], field: str, default: str = "") -> str:
     value = info.get(field.encode())
     return value.decode() if value is not None else default
@@ -26,7 +30,7 @@ def _int(info: dict[bytes, bytes], field: str) -> int:
 
 
 def _liveness(state: str, hb_ms: int, now_ms: int) -> str:
-    if state not in ("stopped", "") and now_ms - hb_ms > STALE_AFTER_MS:
+    if state not in ("stopped", "failed", "") and now_ms - hb_ms > STALE_AFTER_MS:
         return "unresponsive"
     return state or "unknown"
 
@@ -45,6 +49,7 @@ def pool_status(client: redis.Redis, keys: Keys, pool: str, now_ms: int) -> dict
                 "host": _text(r, "host"),
                 "device": _text(r, "device"),
                 "state": _liveness(_text(r, "state"), _int(r, "hb_ms"), now_ms),
+                "reason": _text(r, "reason") or None,
                 "progress": {
                     "what": _text(r, "progress"),
                     "done": _int(r, "progress_done"),
@@ -131,9 +136,11 @@ def namespace_limits(client: redis.Redis, keys: Keys) -> dict[str, Any]:
 
 
 def ready_pool(client: redis.Redis, keys: Keys, pool: str | None = None) -> str | None:
-    """The name of a pool whose batcher and every rank are ready, if any."""
+    """The name of a pool whose batcher and every rank are ready, if any; PoolFailed when
+    every pool asked about has a rank that cannot start."""
     now_ms = int(time.time() * 1000)
     names = [pool] if pool else _pool_names(client, keys)
+    failures = []
     for name in names:
         status = pool_status(client, keys, name, now_ms)
         if (
@@ -142,6 +149,14 @@ def ready_pool(client: redis.Redis, keys: Keys, pool: str | None = None) -> str 
             and all(r["state"] == "ready" for r in status["ranks"])
         ):
             return name
+        failed = [r for r in status["ranks"] if r["state"] == "failed"]
+        if failed:
+            failures.append(
+                f"pool {name}: "
+                + "; ".join(f"rank {r['rank']} failed: {r['reason']}" for r in failed)
+            )
+    if names and len(failures) == len(names):
+        raise PoolFailed(" | ".join(failures))
     return None
 
 

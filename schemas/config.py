@@ -12,6 +12,10 @@ import platformdirs
 from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+# A service exits with this when a restart cannot help (bad configuration, a model that
+# cannot load): supervisors stop instead of restarting it.
+EXIT_FAILED = 3
+
 
 def cache_dir() -> Path:
     """Per-user cache directory (models, embedded Redis data); NPUPOOL_HOME overrides it."""
