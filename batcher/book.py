@@ -98,19 +98,22 @@ class RequestBook:
                 continue
             self.order += 1
             payload = d.fields.get(FIELD.encode(), b"")
-            tracked = Tracked(d.entry_id, d.stream, request, prompt_ids, d.times_delivered, payload)
+            tracked = Tracked(
+                d.entry_id, d.stream, request, prompt_ids, d.times_delivered, payload=payload
+            )
             self.tracked[request.id] = tracked
             fresh.append(tracked)
         pipe.execute()
         self.enqueue(fresh, resume)
 
-    def requeue(self, lost: list[Tracked], delivery: bool = True) -> None:
+    def requeue(self, lost: list[Tracked], rank_died: bool = False) -> None:
         """Requests whose rank was lost (or lost them, or gave them back) re-enter after what
-        they published; a lost rank counts a delivery, in Redis too."""
-        if delivery and lost:
+        they published; a rank that died counts a delivery, in Redis too."""
+        if rank_died and lost:
             pipe = self.redis.pipeline(transaction=False)
             for tracked in lost:
                 tracked.times_delivered += 1
+                tracked.rank_deaths += 1
                 count_delivery(pipe, self.settings.pool, tracked.stream, tracked.entry_id)
             pipe.execute()
         self.stats["recovered"] += len(lost)
@@ -242,8 +245,7 @@ class RequestBook:
                 self.stats["preempted"] += int(seq is not None and seq.preempting)
             elif outcome.finish_reason is not None:
                 self.forget(tracked, pipe)
-        self.requeue(lost)
-        self.requeue(released, delivery=False)
+        self.requeue(lost + released)
 
     def reject_excess(self, excess: list[Delivery]) -> None:
         """End entries past the namespace's bound (they bypassed admission) `queue_full`."""

@@ -16,6 +16,10 @@ from schemas.keys import FIELD, GROUP, Keys
 from schemas.messages import ErrorInfo, FinishReason, GenerateRequest, ResultChunk, Usage
 from schemas.results import ResultWriter
 
+# A request that was on this many ranks when they died runs alone on a rank from then on,
+# so a request that kills its rank charges its next death to itself, not to its neighbours.
+SUSPECT_AFTER_DEATHS = 2
+
 
 @dataclass(frozen=True, slots=True)
 class ModelFacts:
@@ -38,6 +42,7 @@ class Tracked:
     request: GenerateRequest
     prompt_ids: list[int]
     times_delivered: int = 1  # deliveries so far: reads, claims and lost ranks
+    rank_deaths: int = 0  # ranks that died holding it, in this batcher's time
     payload: bytes = b""  # the entry's field `m`, for a dead letter
     seq: Sequence | None = None
     resumed_ids: list[int] = field(default_factory=list)
@@ -127,7 +132,9 @@ def make_sequence(tracked: Tracked, order: int, max_model_len: int, aging_s: flo
         request.sampling.max_tokens - len(tracked.resumed_ids), max_model_len - num_context
     )
     rank_by = urgency(request.priority, arrival_ms(tracked.entry_id), aging_s * 1000)
-    return Sequence(request.id, num_context, max_new, order, rank_by)
+    seq = Sequence(request.id, num_context, max_new, order, rank_by)
+    seq.isolated = tracked.rank_deaths >= SUSPECT_AFTER_DEATHS
+    return seq
 
 
 def write_dead_letter(

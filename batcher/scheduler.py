@@ -52,6 +52,7 @@ class Sequence:
     num_planned_tokens: int = 0  # tokens the planned steps will have produced, at most
     stopping: bool = False  # cancelled, timed out or preempted: plan nothing more for it
     preempting: bool = False  # its rank is told to give its slot back to a more urgent one
+    isolated: bool = False  # a suspect (ranks died holding it): it runs alone on a rank
 
     @property
     def is_admitted(self) -> bool:
@@ -192,8 +193,11 @@ def _admit(state: PoolState) -> list[Sequence]:
     admitted: list[Sequence] = []
     state.waiting.sort(key=lambda s: (-s.urgency, s.order))
     while state.waiting and state.room() > 0:
-        seq = state.waiting.pop(0)
-        rank = _pick_rank(state)
+        seq = state.waiting[0]
+        rank = _pick_rank(state, seq.isolated)
+        if rank is None:  # an isolated request waits for a rank to empty; the queue with it
+            break
+        state.waiting.pop(0)
         seq.rank = rank
         seq.slot = state.free_slots[rank].pop(0)
         state.running[seq.request_id] = seq
@@ -222,9 +226,20 @@ def _preempt(state: PoolState) -> list[Sequence]:
     return preempted
 
 
-def _pick_rank(state: PoolState) -> int:
-    """The live rank with the most free slots; ties go round-robin."""
-    ranks = sorted(state.ranks)
+def _pick_rank(state: PoolState, isolated: bool) -> int | None:
+    """The live rank with the most free slots, ties round-robin; never a rank that runs an
+    isolated request, and for an isolated request only an empty rank (None: no such rank)."""
+    hosts = {s.rank for s in state.running.values() if s.isolated}
+    full = state.config.kv_slots_per_rank
+    ranks = [
+        r
+        for r in sorted(state.ranks)
+        if state.free_slots[r]
+        and r not in hosts
+        and (not isolated or len(state.free_slots[r]) == full)
+    ]
+    if not ranks:
+        return None
     most = max(len(state.free_slots[r]) for r in ranks)
     tied = [r for r in ranks if len(state.free_slots[r]) == most]
     chosen = next((r for r in tied if r >= state.next_rank), tied[0])

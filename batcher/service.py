@@ -270,7 +270,7 @@ class Batcher:
                 waiting.discard(rank)
             self.inflight = {s: w for s, w in self.inflight.items() if w}
             lost = lose_rank(self.state, rank)
-            self.book.requeue([self.book.tracked[s.request_id] for s in lost])
+            self.book.requeue([self.book.tracked[s.request_id] for s in lost], rank_died=True)
         for rank in changes.joined:
             log.info("rank %d joined (%s)", rank, self.registry.incarnation(rank))
             join_rank(self.state, rank)

@@ -212,17 +212,27 @@ class Worker:
                 "state": state,
                 "incarnation": self.incarnation,
                 "hb_ms": int(time.time() * 1000),
+                "requests": "",  # a new incarnation holds nothing yet
             },
         )
 
     def _heartbeat_loop(self) -> None:
-        """Beat, and notice when the batcher has declared this incarnation lost."""
+        """Beat (with the ids of the requests this rank holds, for operators), and notice
+        when the batcher has declared this incarnation lost."""
         client = connect(self.settings.redis_url)
         try:
             while not self.stop_event.wait(self.settings.heartbeat_s):
                 try:
                     pipe = client.pipeline(transaction=False)
-                    pipe.hset(self.rank_key, "hb_ms", int(time.time() * 1000))
+                    held = (
+                        [s.request_id for s in list(self.engine.slots.values())]
+                        if (self.engine is not None)
+                        else []
+                    )
+                    pipe.hset(
+                        self.rank_key,
+                        mapping={"hb_ms": int(time.time() * 1000), "requests": ",".join(held)},
+                    )
                     pipe.hmget(self.rank_key, ["state", "incarnation"])
                     state, incarnation = pipe.execute()[1]
                     if state == b"lost" and incarnation == self.incarnation.encode():

@@ -50,6 +50,7 @@ def pool_status(client: redis.Redis, keys: Keys, pool: str, now_ms: int) -> dict
                 "device": _text(r, "device"),
                 "state": _liveness(_text(r, "state"), _int(r, "hb_ms"), now_ms),
                 "reason": _text(r, "reason") or None,
+                "requests": [i for i in _text(r, "requests").split(",") if i],
                 "progress": {
                     "what": _text(r, "progress"),
                     "done": _int(r, "progress_done"),

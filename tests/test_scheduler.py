@@ -158,6 +158,21 @@ def test_no_preemption_within_the_margin_or_when_disabled() -> None:
         assert (plan.admitted, plan.preempted) == ([], [])
 
 
+def test_an_isolated_request_waits_for_an_empty_rank_and_then_runs_alone() -> None:
+    state = make_state(num_ranks=2, kv_slots_per_rank=2)
+    submit(state, 10, 10, 10)  # ranks 0 and 1 busy (two on rank 0)
+    plan_step(state)
+    (suspect,) = submit(state, 10, first=3)
+    suspect.isolated = True
+    submit(state, 10, first=4)
+    assert plan_step(state).admitted == []  # no empty rank: it waits, and the queue with it
+    finish(state, "r1")  # rank 1 empties
+    assert ids(plan_step(state).admitted) == ["r3"] and suspect.rank == 1
+    assert ids(plan_step(state).admitted) == []  # rank 1 is its own; rank 0 is full
+    finish(state, "r0")
+    assert [(s.request_id, s.rank) for s in plan_step(state).admitted] == [("r4", 0)]
+
+
 def test_prefill_chunks_go_to_the_most_urgent_request_first() -> None:
     state = make_state(prefill_slots=1)
     submit(state, 300)
