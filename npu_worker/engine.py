@@ -74,8 +74,10 @@ class RankEngine:
         eos_token_ids: tuple[int, ...],
         max_model_len: int,
         rank: int = 0,
+        lockstep: bool = False,
     ) -> None:
         self.runner = runner
+        self.lockstep = lockstep
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids)
         self.max_model_len = max_model_len
@@ -112,6 +114,7 @@ class RankEngine:
         )
         touched: list[RequestState] = []
         self.launch_seconds = []
+        self.runner.launches.clear()
         prefill_shape, decode_shape = self.shapes
         for stop in plan.stops:
             state = self.slots.get(stop.slot)
@@ -196,7 +199,9 @@ class RankEngine:
         """MTP decode: verify each row's draft, commit one or two tokens, draft again."""
         max_position = max((len(s.token_ids) - 1 for s in states), default=0)
         verify = self.runner.verify(live, max_position)
-        if not states:
+        if not states:  # all padding: the draft launch still runs, as on every other rank
+            nothing = torch.zeros(0, dtype=torch.long, device=self.runner.device)
+            self.runner.commit(verify, nothing, nothing, nothing.bool())
             return
         logits = verify.logits
         banned = self._banned(states, offset=0) | self._banned(states, offset=1)
@@ -250,20 +255,19 @@ class RankEngine:
         }
 
     def _prefill(self, slot: int, start: int, num_tokens: int) -> RequestState | None:
-        if num_tokens == 0:
-            self.runner.dummy_prefill()
-            return None
         state = self.slots.get(slot)
-        if state is None or state.finish_reason is not None:
+        if num_tokens == 0 or state is None or state.finish_reason is not None:
+            if num_tokens == 0 or self.lockstep:  # every rank runs the same launches
+                self.runner.dummy_prefill()
             return None
         out = self.runner.prefill_launch(slot, state.token_ids[start : start + num_tokens], start)
         final = start + num_tokens >= state.num_context_tokens
         if final:
             self._sample_into([state], out.logits[:, 0])
-        if self.runner.mtp and state.finish_reason is None:
-            next_ids = state.token_ids[start + 1 : start + num_tokens + 1]
+        if self.runner.mtp:  # also for a request that just ended: the launches stay the same
+            next_ids = state.token_ids[start + 1 : start + num_tokens + 1] or [0]
             draft = self.runner.prefill_draft(slot, out.hidden, next_ids, start)
-            if final:
+            if final and state.finish_reason is None:
                 position = state.num_context_tokens
                 self.runner.set_tail(slot, state.token_ids[position], position, draft)
         return state if final else None

@@ -177,6 +177,7 @@ class Worker:
             loaded.config.eos_token_ids,
             settings.max_model_len,
             rank=self.rank,
+            lockstep=settings.lockstep,
         )
 
     def _serve_once(self, engine: RankEngine, publisher: Publisher) -> None:
