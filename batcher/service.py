@@ -49,7 +49,7 @@ from batcher.scheduler import (
     plan_step,
 )
 from schemas.codec import CodecError, decode, encode
-from schemas.config import EXIT_FAILED, Settings, add_settings_flags, settings_from_args
+from schemas.config import Settings, add_settings_flags, settings_from_args
 from schemas.connection import connect, last_entry_id
 from schemas.control import PREEMPTED, RankStepPlan, SlotStop, StepResult
 from schemas.keys import FIELD, PLAN_STREAM_MAXLEN, Keys
@@ -430,7 +430,7 @@ def main(argv: list[str]) -> int:
         settings = settings_from_args(args)
     except ValueError as exc:
         print(f"npu-pool batcher: {exc}", file=sys.stderr)
-        return EXIT_FAILED
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s batcher %(message)s")
     batcher = Batcher(settings)
     signal.signal(signal.SIGTERM, batcher.request_stop)

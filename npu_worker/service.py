@@ -264,7 +264,7 @@ def main(argv: list[str]) -> int:
         worker = Worker(settings, args.rank)
     except ValueError as exc:
         print(f"npu-pool worker: {exc}", file=sys.stderr)
-        return EXIT_FAILED
+        return 2
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{args.rank} %(message)s")
     signal.signal(signal.SIGTERM, worker.request_stop)
     signal.signal(signal.SIGINT, worker.request_stop)

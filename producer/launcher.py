@@ -25,6 +25,7 @@ from schemas.keys import Keys
 
 log = logging.getLogger("npu_pool.up")
 MAX_BACKOFF_S = 30.0
+EXIT_USAGE = 2  # argparse's exit status for a bad flag or setting
 HEALTHY_AFTER_S = 30.0
 
 
@@ -91,13 +92,13 @@ class PoolProcesses:
         )
 
     def supervise(self) -> None:
-        """Restart any child that exited, with exponential backoff; a child that exited with
-        EXIT_FAILED (bad configuration, a model that cannot load) is left down."""
+        """Restart any child that exited, with exponential backoff; a child that exited saying
+        a restart cannot help (a bad flag, a model that cannot load) is left down."""
         now = time.monotonic()
         for child in self.children:
             if child.process is None or child.process.poll() is None or child.failed:
                 continue
-            if child.process.returncode == EXIT_FAILED:
+            if child.process.returncode in (EXIT_FAILED, EXIT_USAGE):
                 child.failed = True
                 log.error("%s cannot start (see its log or `npu-pool status`)", child.name)
                 continue

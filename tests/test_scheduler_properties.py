@@ -172,9 +172,10 @@ def check_capacity_and_chunks(state: PoolState, plan: StepPlan, before: Before) 
 def check_launch_shape(state: PoolState, plan: StepPlan, before: Before) -> None:
     """max over ranks of ceil(rows / decode_batch) launches; lockstep pads, otherwise no padding."""
 
-    def decodes(seq: Sequence) -> bool:
+    def decodes(seq: Sequence) -> bool:  # a preempted request (stopping) decodes no more
         prefilled, planned = before[seq.request_id]
-        return prefilled >= seq.num_prompt_tokens and planned < seq.max_new_tokens
+        was_decoding = prefilled >= seq.num_prompt_tokens and planned < seq.max_new_tokens
+        return was_decoding and not seq.stopping
 
     per_rank = [
         sum(1 for s in state.running.values() if s.rank == r and decodes(s))
