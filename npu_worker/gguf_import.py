@@ -125,7 +125,8 @@ def _rope_scaling(reader: Any, arch: str) -> dict[str, Any] | None:
     if kind == "none":
         return None
     if kind == "linear":
-        return {"rope_type": "linear", "factor": float(metadata(reader, f"{arch}.rope.scaling.factor"))}
+        factor = float(metadata(reader, f"{arch}.rope.scaling.factor"))
+        return {"rope_type": "linear", "factor": factor}
     raise UnsupportedModel(f"GGUF RoPE scaling {kind!r} is not supported; supported: none, linear")
 
 
@@ -176,15 +177,13 @@ def hf_weights(
         match = LAYER_TENSOR.match(tensor.name)
         if permuted and match is not None and match.group(2) in heads:
             values = unpermute_rope_rows(values, heads[match.group(2)])
-        weights[hf_name(tensor.name)] = torch.from_numpy(np.require(values, np.float32, "CW"))
+        weights[hf_name(tensor.name)] = torch.from_numpy(np.require(values, np.float32, ["C", "W"]))
     progress("importing GGUF: dequantizing weights", len(tensors), len(tensors))
     return weights
 
 
 def import_gguf(path: Path, out: Path, progress: ReportProgress = no_progress) -> Path:
     """Write `path` as a model directory at `out` (created atomically); returns `out`."""
-    from npu_worker.gguf_tokenizer import build_tokenizer, tokenizer_config
-
     path, out = Path(path), Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} exists and is not an empty directory; choose another --out")
@@ -194,22 +193,30 @@ def import_gguf(path: Path, out: Path, progress: ReportProgress = no_progress) -
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
         progress("importing GGUF: tokenizer", 0, 1)
-        build_tokenizer(reader).save(str(staging / "tokenizer.json"))
-        special = tokenizer_config(reader)
-        (staging / "tokenizer_config.json").write_text(json.dumps(special, indent=2))
-        eos_ids = sorted(
-            {int(i) for i in (config["eos_token_id"], metadata(reader, "tokenizer.ggml.eot_token_id")) if i is not None}
-        )
-        generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": eos_ids}
-        (staging / "generation_config.json").write_text(json.dumps(generation, indent=2))
+        write_tokenizer_files(reader, config, staging)
         weights = hf_weights(reader, config, progress)
         progress("importing GGUF: writing safetensors", 0, 1)
         save_file(weights, str(staging / "model.safetensors"), metadata={"format": "pt"})
         source = {"gguf": path.name, "name": metadata(reader, "general.name")}
-        (staging / "config.json").write_text(json.dumps(config | {"npupool_import": source}, indent=2))
+        config_text = json.dumps(config | {"npupool_import": source}, indent=2)
+        (staging / "config.json").write_text(config_text)
         if out.exists():
             out.rmdir()  # empty, checked above
         staging.rename(out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out
+
+
+def write_tokenizer_files(reader: Any, config: dict[str, Any], out: Path) -> None:
+    """tokenizer.json, tokenizer_config.json and generation_config.json (EOS and EOT ids)."""
+    from npu_worker.gguf_tokenizer import build_tokenizer, tokenizer_config
+
+    build_tokenizer(reader).save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(reader), indent=2))
+    ends = (config["eos_token_id"], metadata(reader, "tokenizer.ggml.eot_token_id"))
+    generation = {
+        "bos_token_id": config["bos_token_id"],
+        "eos_token_id": sorted({int(i) for i in ends if i is not None}),
+    }
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2))

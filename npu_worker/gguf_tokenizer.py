@@ -66,9 +66,7 @@ def _pre_tokenizer(kind: str, add_prefix_space: bool) -> pre_tokenizers.PreToken
         )
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space, use_regex=True)
     if kind in DIGIT_PRE_TYPES:
-        return pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), byte_level]
-        )
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     return byte_level
 
 
