@@ -4,7 +4,12 @@ DESIGN §7), and the imported tokenizer encodes and decodes as `transformers`' d
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import subprocess
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -38,12 +43,16 @@ PIECES = [
 
 
 @pytest.fixture(scope="module")
-def hf_model() -> Any:
-    """transformers' own import of the package's GGUF (its dequantization and renaming)."""
+def hf_model() -> Iterator[Any]:
+    """transformers' own import of the package's GGUF (its dequantization and renaming),
+    run on one thread: the pool's ranks hold the other cores."""
     path = smollm2_gguf()
-    return transformers.AutoModelForCausalLM.from_pretrained(
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     ).eval()
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +105,7 @@ def hf_greedy(model: Any, prompt: list[int], max_tokens: int) -> ReferenceComple
 
 
 def test_pool_answers_with_the_greedy_tokens_of_transformers_on_the_same_gguf(
-    start_pool, client: Client, hf_model: Any, hf_tokenizer: Any
+    start_pool, client: Client, redis_url: str, hf_model: Any, hf_tokenizer: Any
 ) -> None:
     start_pool(model="smollm2", ranks=2, decode_batch=4, max_model_len=128, prefill_chunk=64)
     cases: list[tuple[list[int], str]] = []
@@ -110,7 +119,7 @@ def test_pool_answers_with_the_greedy_tokens_of_transformers_on_the_same_gguf(
     for prompt in PROMPTS:
         rid = client.submit(prompt, max_tokens=16, ignore_eos=True)
         cases.append((hf_tokenizer.encode(prompt, add_special_tokens=True), rid))
-    texts = []
+    completions = []
     for prompt_ids, rid in cases:
         chunks = list(client.stream(rid, timeout_s=120))
         tokens = check_stream(chunks)
@@ -120,5 +129,32 @@ def test_pool_answers_with_the_greedy_tokens_of_transformers_on_the_same_gguf(
             want = hf_greedy(hf_model, prompt_ids, len(tokens))
         problem = first_divergence(tokens, want, TIE_TOLERANCE)
         assert problem is None, f"prompt of {len(prompt_ids)} tokens: {problem}"
-        texts.append("".join(c.text for c in chunks))
-    assert "Paris" in texts[0]
+        completions.append((tokens, "".join(c.text for c in chunks)))
+    assert "Paris" in completions[0][1]
+
+    # `submit --chat` sends the same single user turn; it stops at the model's EOS
+    command = ["submit", "--chat", QUESTIONS[0], "--max-tokens", "20", "--json"]
+    done = subprocess.run(
+        [sys.executable, "-m", "schemas.cli", *command],
+        env=dict(os.environ, REDIS_URL=redis_url),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    chat = json.loads(done.stdout)
+    assert chat["finish_reason"] == "stop" and chat["token_ids"][-1] == 2  # <|im_end|>
+    assert chat["token_ids"] == completions[0][0][: len(chat["token_ids"])]
+
+
+def test_demo_answers_chat_questions_with_smollm2_and_exits_cleanly() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "schemas.cli", "demo", "--requests", "2", "--max-tokens", "12"],
+        env=dict(os.environ, COLUMNS="160"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "What is the capital of France?" in done.stdout and "answers" in done.stdout
+    assert "2 ranks, decode B8S1, prefill B1S64, model smollm2" in done.stdout
