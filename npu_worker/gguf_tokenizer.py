@@ -23,7 +23,9 @@ LLAMA3_SPLIT = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 QWEN2_SPLIT = LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
-GPT2_PRE_TYPES = {"default", "gpt-2", "gpt2"}
+# llama.cpp's pre-tokenizer names (`tokenizer.ggml.pre`); an absent one or `default` gets
+# GPT-2's split, as transformers reads such files.
+GPT2_PRE_TYPES = {"default", "gpt-2", "mpt", "olmo", "jais", "exaone4"}
 SPLIT_PRE_TYPES = {
     "llama-bpe": LLAMA3_SPLIT,
     "llama3": LLAMA3_SPLIT,
@@ -31,7 +33,15 @@ SPLIT_PRE_TYPES = {
     "qwen2": QWEN2_SPLIT,
 }
 # pre-tokenizer types that split every digit on its own before the GPT-2 split
-DIGIT_PRE_TYPES = {"smollm"}
+DIGIT_PRE_TYPES = {
+    "smollm",
+    "starcoder",
+    "refact",
+    "command-r",
+    "codeshell",
+    "exaone",
+    "minerva-7b",
+}
 SPECIAL_TOKEN_IDS = {
     "bos_token": "tokenizer.ggml.bos_token_id",
     "eos_token": "tokenizer.ggml.eos_token_id",
