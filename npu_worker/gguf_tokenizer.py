@@ -3,7 +3,7 @@ and its special tokens and chat template (`tokenizer_config.json`).
 
 A GGUF stores the vocabulary, the merges, a type per token and the special token ids as
 metadata (`tokenizer.ggml.*`). The text is split before BPE the way llama.cpp splits it for
-the file's pre-tokenizer type (`tokenizer.ggml.pre`), so token ids match llama.cpp's.
+the file's pre-tokenizer type (`tokenizer.ggml.pre`): the split the vocabulary was made with.
 """
 
 from __future__ import annotations
