@@ -67,12 +67,11 @@ def smollm2_installed() -> bool:
 
 
 def demo_model(flag: str | None) -> tuple[str, str | None]:
-    """The model to run, and a note for the user when the default had to fall back."""
-    chosen = flag or os.environ.get("NPUPOOL_MODEL")
-    if chosen:
+    """The model to run (SmolLM2 unless told otherwise), and a note for the user when SmolLM2
+    is not installed and the random tiny model runs instead."""
+    chosen = flag or os.environ.get("NPUPOOL_MODEL") or "smollm2"
+    if chosen != "smollm2" or smollm2_installed():
         return chosen, None
-    if smollm2_installed():
-        return "smollm2", None
     return "tiny", f"SmolLM2 is not installed ({SMOLLM2_INSTALL}); running the random tiny model"
 
 
