@@ -26,9 +26,9 @@ from producer.demo_workload import (
     demo_model,
     demo_requests,
 )
-from producer.embedded import EmbeddedRedis
+from producer.embedded import DataDirInUse, EmbeddedRedis
 from producer.launcher import PoolProcesses
-from producer.status import pool_status
+from producer.status import PoolFailed, pool_status
 from producer.status_view import wait_ready_live
 from schemas.config import Settings, add_settings_flags, cache_dir, settings_from_args
 
@@ -215,6 +215,9 @@ def main(argv: list[str]) -> int:
             console.print(_answers(rows))
         console.print(_summary(rows, wall_s, settings, _pool_stats(url, settings, len(rows))))
         ok = all(r.finish_reason in ("stop", "length") for r in rows)
+    except (PoolFailed, DataDirInUse) as exc:
+        console.print(f"[red]npu-pool demo: {exc}[/]")
+        return 1
     finally:
         with console.status("shutting down"):
             if processes is not None:
