@@ -35,7 +35,9 @@ class Settings(BaseSettings):
     )
     namespace: str = Field(default="npupool", description="prefix of every Redis key")
     pool: str = Field(default="default", description="name of this pool")
-    model: str = Field(default="tiny", description="model directory, or `tiny`")
+    model: str = Field(
+        default="tiny", description="model directory, .gguf file, or tiny, small, smollm2"
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16", "float64"] = Field(
         default="auto", description="weights and KV dtype; auto: the checkpoint's"
     )
