@@ -48,7 +48,6 @@ from batcher.scheduler import (
     lose_rank,
     plan_step,
 )
-from schemas.codec import CodecError, decode, encode
 from schemas.config import Settings, add_settings_flags, settings_from_args
 from schemas.connection import connect, last_entry_id
 from schemas.control import PREEMPTED, RankStepPlan, SlotStop, StepResult
@@ -85,6 +84,9 @@ class Batcher:
             "claimed": 0,
             "admitted": 0,
             "preempted": 0,
+            "rank_exec_us": 0,  # ranks' model threads: in steps, in launches, waiting for plans
+            "rank_launch_us": 0,
+            "rank_idle_us": 0,
         }
         self.queue_depth = 0
         self.dispatched_at: dict[int, float] = {}
@@ -363,7 +365,7 @@ class Batcher:
             rank_plan.incarnation = self.registry.incarnation(rank)
             pipe.xadd(
                 self.keys.plan(self.pool, rank),
-                {FIELD: encode(rank_plan)},
+                {FIELD: rank_plan.encode()},
                 maxlen=PLAN_STREAM_MAXLEN,
                 approximate=True,
             )
@@ -390,8 +392,8 @@ class Batcher:
                     continue
                 self.results_cursor = entry_id
                 try:
-                    result = decode(StepResult, fields[FIELD.encode()])
-                except (CodecError, KeyError) as exc:
+                    result = StepResult.decode(fields[FIELD.encode()])
+                except (ValueError, KeyError) as exc:
                     log.error("unreadable step result %s: %s", entry_id, exc)
                     continue
                 if result.epoch == self.epoch and (
@@ -406,6 +408,9 @@ class Batcher:
         self.stats["padding_rows"] += result.num_padding_rows
         self.stats["mtp_proposed"] += result.num_draft_proposed
         self.stats["mtp_accepted"] += result.num_draft_accepted
+        self.stats["rank_exec_us"] += int(result.exec_ms * 1000)
+        self.stats["rank_launch_us"] += int(result.launch_ms * 1000)
+        self.stats["rank_idle_us"] += int(result.idle_ms * 1000)
         waiting = self.inflight.get(result.step)
         if waiting is not None:
             waiting.discard(result.rank)

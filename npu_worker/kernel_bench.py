@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from npu_worker.loader import load_for
+from npu_worker.presets import load_for
 from npu_worker.runner import LaunchRunner
 from schemas.config import Settings, add_settings_flags, settings_from_args
 
@@ -76,7 +76,7 @@ def measure(settings: Settings, iters: int) -> dict[str, Any]:
     device = loaded.device
     batch, chunk = settings.decode_batch, settings.prefill_chunk
     runner = LaunchRunner(
-        loaded, max(settings.kv_slots_per_rank, batch), settings.max_kv_len, chunk, batch
+        loaded.model, max(settings.kv_slots_per_rank, batch), settings.max_kv_len, chunk, batch
     )
     runner.warm_up()
     prompt = [5] * chunk

@@ -12,8 +12,6 @@ from tokenizers import Tokenizer
 
 from npu_worker.model import CausalLM
 from npu_worker.model_config import ModelConfig, UnsupportedModel
-from npu_worker.startup import ReportProgress, no_progress
-from schemas.config import Settings
 
 DTYPES = {
     "float32": torch.float32,
@@ -34,29 +32,6 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     chat_template: dict[str, str] | None = None
-
-
-def resolve_model_dir(model: str, progress: ReportProgress = no_progress) -> Path:
-    """A preset (`tiny`, `small`, `smollm2`) or a `.gguf` file is made a model directory once,
-    in the cache; anything else is a local directory."""
-    if model in ("tiny", "small"):
-        from npu_worker.tiny import ensure_preset
-
-        return ensure_preset(model, progress=progress)
-    if model == "smollm2":
-        from npu_worker.imported import ensure_smollm2
-
-        return ensure_smollm2(progress=progress)
-    path = Path(model).expanduser()
-    if path.suffix.lower() == ".gguf":
-        from npu_worker.imported import ensure_imported
-
-        return ensure_imported(path, progress=progress)
-    if not path.is_dir():
-        raise UnsupportedModel(
-            f"model directory {path} does not exist (models load from disk only)"
-        )
-    return path
 
 
 def load_model(
@@ -151,19 +126,3 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
     for name in files:
         state.update(load_file(str(path / name)))
     return state
-
-
-def load_for(settings: Settings, progress: ReportProgress = no_progress) -> LoadedModel:
-    """The configured model on the configured device (CPU threads sized per rank)."""
-    from npu_worker.devices import resolve_device, set_cpu_threads
-
-    device = resolve_device(settings.device)
-    if device.type == "cpu":
-        set_cpu_threads(settings.threads_per_rank, settings.ranks)
-    return load_model(
-        resolve_model_dir(settings.model, progress),
-        settings.dtype,
-        device,
-        settings.max_kv_len,
-        mtp=settings.mtp,
-    )

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from npu_worker.loader import resolve_model_dir
+from npu_worker.presets import resolve_model_dir
 
 RQ_QUEUE = "npupool-peer"
 

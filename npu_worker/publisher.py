@@ -1,107 +1,157 @@
-"""Publishing a rank's steps on its own thread and connection, in order, so the model never
-waits on Redis: while step N's chunks and result travel, step N+1 already runs."""
+"""A rank's output process: it turns the model thread's step records into chunks and step
+results and publishes each step with one Redis call, in order, while the next step runs.
+
+The process is spawned once per rank (it never imports torch) and fed over a pipe; a
+second pipe carries back the requests it ended (stop strings, output errors, streams that
+moved on) and publishing failures. Everything a step writes (its chunks, then its step
+result) is one script call fenced by the rank's incarnation: a rank the batcher declared
+lost writes nothing.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import queue
-import threading
+import multiprocessing
+from multiprocessing.connection import Connection
+from typing import Any
 
 import redis
+from tokenizers import Tokenizer
 
-from npu_worker.engine import StepOutput
-from schemas.codec import encode
+from npu_worker.output import OutputProcessor, StepOutput
+from npu_worker.records import Feedback, StepRecord
 from schemas.config import Settings
 from schemas.connection import connect
-from schemas.keys import FIELD, STEP_RESULTS_MAXLEN, Keys
-from schemas.results import APPENDED, ResultWriter
+from schemas.control import RequestOutcome
+from schemas.keys import STEP_RESULTS_MAXLEN, Keys
+from schemas.results import APPENDED, FENCED, STEP_SCRIPT
 
 log = logging.getLogger("npu_pool.worker")
+RECORD, RESET, QUIT = b"R", b"X", b"Q"
 
 
-class Publisher:
-    """An in-order outbox of step outputs, drained by one thread.
+class OutputProcess:
+    """The model thread's handle on its output process."""
 
-    A chunk the result stream refuses (another writer moved it on) turns its outcome into
-    `lost`, and its (request id, admission) is handed back so the engine drops the request.
-    A Redis failure sets `failed`: the rank must start afresh.
-    """
+    def __init__(self, settings: Settings, rank: int, tokenizer: Tokenizer) -> None:
+        context = multiprocessing.get_context("spawn")
+        records_out, self.records = context.Pipe(duplex=False)
+        self.feedback, feedback_in = context.Pipe(duplex=False)
+        self.process = context.Process(
+            target=run,
+            args=(settings, rank, tokenizer.to_str(), records_out, feedback_in),
+            name=f"npu-pool rank{rank} output",
+            daemon=True,
+        )
+        self.process.start()
+        records_out.close()
+        feedback_in.close()
 
-    def __init__(self, settings: Settings, keys: Keys, max_pending: int = 2) -> None:
-        self.keys = keys
-        self.results_key = keys.step_results(settings.pool)
-        self.redis = connect(settings.redis_url)
-        self.writer = ResultWriter(self.redis, keys)
-        self.outbox: queue.Queue[tuple[int, StepOutput] | None] = queue.Queue(max_pending)
-        self.refused: queue.SimpleQueue[tuple[str, int]] = queue.SimpleQueue()
-        self.failed = threading.Event()
-        self.generation = 0
-        self.thread = threading.Thread(target=self._loop, name="publisher", daemon=True)
-        self.thread.start()
+    def send(self, record: StepRecord) -> None:
+        """Hand over one executed step (blocks only while the pipe is full)."""
+        self.records.send_bytes(RECORD + record.encode())
 
-    def submit(self, output: StepOutput) -> None:
-        """Queue a step (blocks while `max_pending` steps are still unpublished)."""
-        self.outbox.put((self.generation, output))
-
-    def take_refused(self) -> set[tuple[str, int]]:
-        """(request id, admission) pairs whose streams refused this rank since last asked."""
-        pairs = set()
-        while not self.refused.empty():
-            pairs.add(self.refused.get())
-        return pairs
+    def take_feedback(self) -> Feedback:
+        """Everything the output process reported since the last call, merged."""
+        merged = Feedback()
+        while self.feedback.poll():
+            got = Feedback.decode(self.feedback.recv_bytes())
+            merged.ended += got.ended
+            merged.failed |= got.failed
+        return merged
 
     def reset(self) -> None:
-        """Forget queued steps of the old incarnation and wait for the one in flight."""
-        self.generation += 1
-        self.outbox.join()
-        self.failed.clear()
+        """Wait until every step handed over is published (or refused), then forget every
+        request: a new incarnation starts from nothing."""
+        self.records.send_bytes(RESET)
+        while not Feedback.decode(self.feedback.recv_bytes()).acked:
+            pass
+
+    @property
+    def alive(self) -> bool:
+        """True while the process runs."""
+        return self.process.is_alive()
 
     def close(self) -> None:
-        """Publish what is queued, then stop the thread."""
-        self.outbox.put(None)
-        self.thread.join(timeout=30)
-        self.redis.close()
+        """Publish what is queued, then stop the process."""
+        with contextlib.suppress(OSError):  # the process may be gone already
+            self.records.send_bytes(QUIT)
+        self.process.join(timeout=30)
+        if self.process.is_alive():
+            self.process.kill()
 
-    def _loop(self) -> None:
-        while True:
-            item = self.outbox.get()
-            try:
-                if item is None:
-                    return
-                generation, output = item
-                if generation == self.generation and not self.failed.is_set():
-                    self._publish(output)
-            except redis.RedisError as exc:
-                log.warning("publishing failed (%s); the rank starts afresh", exc)
-                self.failed.set()
-            finally:
-                self.outbox.task_done()
 
-    def _append(self, output: StepOutput) -> list[object]:
-        if not output.chunks:
-            return []
-        pipe = self.redis.pipeline(transaction=False)
-        for chunk, ttl_s in output.chunks:
-            self.writer.append(pipe, chunk, ttl_s)
-        return list(pipe.execute())
-
-    def _publish(self, output: StepOutput) -> None:
-        """Append the step's chunks (one round trip), then report the step."""
+def run(
+    settings: Settings, rank: int, tokenizer_json: str, records: Connection, feedback: Connection
+) -> None:
+    """The output process's loop: process and publish each step record, in order."""
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} output %(message)s")
+    publisher = StepPublisher(settings, rank)
+    processor = OutputProcessor(Tokenizer.from_str(tokenizer_json))
+    while True:
         try:
-            replies = self._append(output)
-        except redis.exceptions.NoScriptError:  # Redis restarted without its script cache
-            self.writer.load()
-            replies = self._append(output)
-        refused = {c.id for (c, _), r in zip(output.chunks, replies) if r != APPENDED}
+            message = records.recv_bytes()
+        except EOFError:  # the model thread is gone
+            return
+        kind, body = message[:1], message[1:]
+        if kind == QUIT:
+            return
+        if kind == RESET:
+            processor.reset()
+            publisher.lost = []
+            feedback.send_bytes(Feedback(acked=True).encode())
+            continue
+        record = StepRecord.decode(body)
+        output = processor.process(record)
+        refused, failed = publisher.publish(output)
+        for slot, request_id, _ in refused:
+            held = processor.requests.get(slot)
+            if held is not None and held.request_id == request_id:
+                del processor.requests[slot]
+        ended = output.ended + refused
+        if ended or failed:
+            feedback.send_bytes(Feedback(ended, failed).encode())
+
+
+class StepPublisher:
+    """Publishes one step's chunks and result with one fenced script call."""
+
+    def __init__(self, settings: Settings, rank: int) -> None:
+        self.keys = Keys(settings.namespace)
+        self.results_key = self.keys.step_results(settings.pool)
+        self.rank_key = self.keys.rank(settings.pool, rank)
+        self.redis = connect(settings.redis_url)
+        self.script = self.redis.register_script(STEP_SCRIPT)
+        self.lost: list[RequestOutcome] = []  # refused last step: told to the batcher now
+
+    def publish(self, output: StepOutput) -> tuple[list[tuple[int, str, int]], bool]:
+        """Write the step; returns the requests whose streams refused it (another writer
+        moved them on) and whether the rank must start afresh (fenced, or Redis failed)."""
+        result = output.result
+        result.outcomes += self.lost
+        self.lost = []
+        keys = [self.results_key, self.rank_key]
+        args: list[Any] = [result.incarnation, result.encode(), STEP_RESULTS_MAXLEN]
+        for chunk in output.chunks:
+            keys.append(self.keys.result(chunk.request_id))
+            args += [chunk.seq, chunk.payload, "1" if chunk.final else "0", chunk.ttl_s]
+        try:
+            replies = self.script(keys=keys, args=args)
+        except redis.RedisError as exc:
+            log.warning("publishing failed (%s); the rank starts afresh", exc)
+            return [], True
+        if replies == FENCED:
+            log.warning("this rank was replaced or declared lost; it starts afresh")
+            return [], True
+        refused = []
+        for chunk, reply in zip(output.chunks, replies):
+            if reply != APPENDED:
+                self.lost.append(RequestOutcome(chunk.request_id, chunk.admission, 0, lost=True))
+                refused.append((chunk.slot, chunk.request_id, chunk.admission))
         if refused:
-            log.warning("result streams moved on without this rank: %s", sorted(refused))
-            for outcome in output.result.outcomes:
-                if outcome.request_id in refused:
-                    outcome.lost, outcome.finish_reason = True, None
-                    self.refused.put((outcome.request_id, outcome.admission))
-        self.redis.xadd(
-            self.results_key,
-            {FIELD: encode(output.result)},
-            maxlen=STEP_RESULTS_MAXLEN,
-            approximate=True,
-        )
+            log.info(
+                "result streams already moved on (an earlier delivery wrote them): %s",
+                sorted(r for _, r, _ in refused),
+            )
+        return refused, False

@@ -14,13 +14,13 @@ rows from it once and `commit` scatters them back once.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 
 from npu_worker.backends import make_backend
-from npu_worker.loader import LoadedModel
-from npu_worker.model import KVCache, LaunchInputs, LaunchOutput
+from npu_worker.model import CausalLM, KVCache, LaunchInputs, LaunchOutput
 from npu_worker.startup import ReportProgress, no_progress
 
 
@@ -60,26 +60,28 @@ class LaunchRunner:
 
     def __init__(
         self,
-        loaded: LoadedModel,
+        model: CausalLM,
         num_slots: int,
         max_kv_len: int,
         prefill_chunk: int,
         decode_batch: int,
         cuda_graphs: bool = True,
     ) -> None:
-        self.device = loaded.device
+        weight = model.lm_head.weight
+        self.device = weight.device
         self.prefill_chunk = prefill_chunk
         self.decode_batch = decode_batch
-        self.mtp = loaded.model.mtp is not None
-        layers = loaded.config.num_layers + (1 if self.mtp else 0)
+        self.mtp = model.mtp is not None
+        layers = model.config.num_layers + (1 if self.mtp else 0)
         self.cache = KVCache(
-            loaded.config, num_slots, max_kv_len, loaded.dtype, loaded.device, num_layers=layers
+            model.config, num_slots, max_kv_len, weight.dtype, self.device, num_layers=layers
         )
-        self.backend = make_backend(loaded.model, self.cache, loaded.device, cuda_graphs)
+        self.backend = make_backend(model, self.cache, self.device, cuda_graphs)
         zeros = torch.zeros(num_slots, dtype=torch.long, device=self.device)
         self.tail = TailPool(zeros.clone(), zeros.clone(), zeros.clone())
         self.num_launches = {"prefill": 0, "decode": 0}
         self.launches: list[str] = []  # program and shape of each launch, cleared per step
+        self.launch_seconds: list[tuple[str, float]] = []  # (shape, time in it), per step
 
     def spans(self) -> list[int]:
         """Every cache span a launch may read: the captured shapes of graph backends."""
@@ -103,7 +105,8 @@ class LaunchRunner:
                 self.backend.draft(launch, hidden)
         progress("warm-up: launch shapes per cache span", len(spans), len(spans))
         self.num_launches = {"prefill": 0, "decode": 0}
-        self.launches = []
+        self.launches.clear()
+        self.launch_seconds.clear()
 
     # -- prefill --------------------------------------------------------------------------
 
@@ -262,12 +265,20 @@ class LaunchRunner:
 
     def _run(self, kind: str, launch: LaunchInputs) -> LaunchOutput:
         self.num_launches[kind] += 1
-        self.launches.append(f"{kind} B{launch.input_ids.shape[0]}S{launch.input_ids.shape[1]}")
-        return self.backend.run(launch)
+        shape = f"B{launch.input_ids.shape[0]}S{launch.input_ids.shape[1]}"
+        self.launches.append(f"{kind} {shape}")
+        began = time.perf_counter()
+        out = self.backend.run(launch)
+        self.launch_seconds.append((shape, time.perf_counter() - began))
+        return out
 
     def _draft(self, launch: LaunchInputs, hidden: torch.Tensor) -> torch.Tensor:
-        self.launches.append(f"draft B{launch.input_ids.shape[0]}S{launch.input_ids.shape[1]}")
-        return self.backend.draft(launch, hidden)
+        shape = f"B{launch.input_ids.shape[0]}S{launch.input_ids.shape[1]}"
+        self.launches.append(f"draft {shape}")
+        began = time.perf_counter()
+        drafted = self.backend.draft(launch, hidden)
+        self.launch_seconds.append((f"draft {shape}", time.perf_counter() - began))
+        return drafted
 
     # -- layout ---------------------------------------------------------------------------
 

@@ -37,11 +37,7 @@ class SamplingRows:
     min_p: torch.Tensor  # [N] float32
     seed: torch.Tensor  # [N] long
     index: torch.Tensor  # [N] long, completion index of the token being drawn
-
-    @property
-    def all_greedy(self) -> bool:
-        """True when no row samples."""
-        return bool((self.temperature == 0).all())
+    all_greedy: bool  # no row samples (known on the host, so no device sync asks it)
 
 
 def uniform(seed: torch.Tensor, index: torch.Tensor, stream: int = 0) -> torch.Tensor:
@@ -116,7 +112,42 @@ def sampling_rows(
         min_p=column([p.min_p for p in params], torch.float32),
         seed=column(seeds, torch.long),
         index=column(indices, torch.long),
+        all_greedy=all(p.temperature == 0 for p in params),
     )
+
+
+class SamplingTable:
+    """Every KV slot's sampling parameters as device tensors, written when a request is
+    admitted; a launch gathers its rows' instead of building them per step."""
+
+    def __init__(self, num_slots: int, device: torch.device) -> None:
+        self.device = device
+        self.temperature = torch.zeros(num_slots, dtype=torch.float32, device=device)
+        self.top_k = torch.zeros(num_slots, dtype=torch.long, device=device)
+        self.top_p = torch.ones(num_slots, dtype=torch.float32, device=device)
+        self.min_p = torch.zeros(num_slots, dtype=torch.float32, device=device)
+        self.seed = torch.zeros(num_slots, dtype=torch.long, device=device)
+
+    def set(self, slot: int, params: SamplingParams, seed: int) -> None:
+        """Record an admitted request's parameters in its slot."""
+        self.temperature[slot] = params.temperature
+        self.top_k[slot] = params.top_k
+        self.top_p[slot] = params.top_p
+        self.min_p[slot] = params.min_p
+        self.seed[slot] = seed  # below 2**63: the request schema and _seed_of keep it there
+
+    def rows(self, slots: list[int], indices: list[int], all_greedy: bool) -> SamplingRows:
+        """The sampling rows of a launch: slot `slots[i]` drawing completion index `indices[i]`."""
+        at = torch.tensor(slots, dtype=torch.long, device=self.device)
+        return SamplingRows(
+            temperature=self.temperature[at],
+            top_k=self.top_k[at],
+            top_p=self.top_p[at],
+            min_p=self.min_p[at],
+            seed=self.seed[at],
+            index=torch.tensor(indices, dtype=torch.long, device=self.device),
+            all_greedy=all_greedy,
+        )
 
 
 def token_logprobs(

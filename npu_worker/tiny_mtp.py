@@ -10,7 +10,6 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
-from npu_worker.loader import LoadedModel
 from npu_worker.model import CausalLM, LaunchInputs
 from npu_worker.model_config import ModelConfig
 from npu_worker.runner import LaunchRunner
@@ -83,8 +82,7 @@ def _greedy_data(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy continuations of text and random prompts, and their final hidden states."""
     rng = random.Random(seed)
-    loaded = LoadedModel(Path("."), config, model, tokenizer, torch.float32, torch.device("cpu"))
-    runner = LaunchRunner(loaded, SEQUENCES, LENGTH, LENGTH, SEQUENCES)
+    runner = LaunchRunner(model, SEQUENCES, LENGTH, LENGTH, SEQUENCES)
     prompts = []
     for i in range(SEQUENCES):
         if i % 2:

@@ -1,41 +1,71 @@
-"""Control-plane messages between a pool's batcher and its ranks (DESIGN §3, §5)."""
+"""Control-plane messages between a pool's batcher and its ranks, sent every step.
+
+They are plain slots dataclasses encoded straight to msgpack arrays (field order is the
+wire order): the batcher validated every request at the boundary, so nothing per step goes
+through pydantic. See docs/architecture.md for the step they describe.
+"""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import msgpack
 
 from schemas.messages import SamplingParams
 
-
-class _Control(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_enum_values=True)
+PREEMPTED = "preempted"  # a SlotStop reason: give the slot back unfinished
 
 
-class NewRequest(_Control):
+@dataclass(slots=True)
+class NewRequest:
     """A request handed to a rank once, when it is admitted to one of its KV slots."""
 
     request_id: str
     slot: int
     prompt_token_ids: list[int]
-    num_prompt_tokens: int = Field(description="tokens of the original prompt, for usage")
+    num_prompt_tokens: int  # tokens of the original prompt, for usage
     sampling: SamplingParams
-    start_index: int = 0
-    start_seq: int = 0
-    admission: int = Field(default=0, description="which admission of the request this is")
     result_ttl_s: int
+    start_index: int = 0  # completion index of its next token (after a resumption)
+    start_seq: int = 0  # next chunk number on its result stream
+    admission: int = 0  # which admission of the request this is
+
+    def to_wire(self) -> list[Any]:
+        """The msgpack array form."""
+        return [
+            self.request_id,
+            self.slot,
+            self.prompt_token_ids,
+            self.num_prompt_tokens,
+            self.sampling.model_dump(),
+            self.result_ttl_s,
+            self.start_index,
+            self.start_seq,
+            self.admission,
+        ]
+
+    @classmethod
+    def from_wire(cls, row: list[Any]) -> NewRequest:
+        """Back from the array form (sampling was validated by the batcher)."""
+        sampling = SamplingParams.model_construct(**row[4])
+        return cls(row[0], row[1], row[2], row[3], sampling, *row[5:])
 
 
-class PrefillChunk(_Control):
-    """Prefill tokens [start, start + num_tokens) of the request in `slot`."""
+@dataclass(slots=True)
+class PrefillChunk:
+    """Prefill tokens [start, start + num_tokens) of the request in `slot`; a chunk with
+    `num_tokens == 0` is a lockstep dummy."""
 
     slot: int
     start: int
     num_tokens: int
 
 
-class SlotStop(_Control):
+@dataclass(slots=True)
+class SlotStop:
     """End a running request now (cancel or deadline: its rank writes the final chunk), or
-    give its slot back unfinished (`preempted`: the batcher resumes it later)."""
+    give its slot back unfinished (`PREEMPTED`: the batcher resumes it later)."""
 
     slot: int
     request_id: str
@@ -43,51 +73,119 @@ class SlotStop(_Control):
     admission: int = 0
 
 
-PREEMPTED = "preempted"
-
-
-class RankStepPlan(_Control):
-    """One rank's share of a step: new requests, decode launches, then prefill chunks.
+@dataclass(slots=True)
+class RankStepPlan:
+    """One rank's share of a step: new requests, stops, decode launches, then prefill.
 
     Each decode launch lists the slots of its rows (at most `decode_batch`); an empty
-    launch or a prefill chunk with `num_tokens == 0` is a lockstep dummy.
+    launch is a lockstep dummy.
     """
 
     epoch: int
     step: int
     rank: int
-    incarnation: str = Field(default="", description="the rank process this plan is for")
-    new_requests: list[NewRequest] = Field(default_factory=list)
-    decode_launches: list[list[int]] = Field(default_factory=list)
-    prefill: list[PrefillChunk] = Field(default_factory=list)
-    stops: list[SlotStop] = Field(default_factory=list)
+    incarnation: str = ""  # the rank process this plan is for
+    new_requests: list[NewRequest] = field(default_factory=list)
+    decode_launches: list[list[int]] = field(default_factory=list)
+    prefill: list[PrefillChunk] = field(default_factory=list)
+    stops: list[SlotStop] = field(default_factory=list)
+
+    def encode(self) -> bytes:
+        """msgpack bytes of the plan."""
+        return msgpack.packb(
+            [
+                self.epoch,
+                self.step,
+                self.rank,
+                self.incarnation,
+                [n.to_wire() for n in self.new_requests],
+                self.decode_launches,
+                [[c.slot, c.start, c.num_tokens] for c in self.prefill],
+                [[s.slot, s.request_id, s.finish_reason, s.admission] for s in self.stops],
+            ]
+        )
+
+    @classmethod
+    def decode(cls, raw: bytes) -> RankStepPlan:
+        """A plan from its bytes; ValueError if they are not one."""
+        try:
+            epoch, step, rank, incarnation, news, decode, prefill, stops = msgpack.unpackb(raw)
+            return cls(
+                epoch,
+                step,
+                rank,
+                incarnation,
+                [NewRequest.from_wire(n) for n in news],
+                decode,
+                [PrefillChunk(*c) for c in prefill],
+                [SlotStop(*s) for s in stops],
+            )
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ValueError(f"not a step plan: {exc}") from exc
 
 
-class RequestOutcome(_Control):
+@dataclass(slots=True)
+class RequestOutcome:
     """What one step did for one request on a rank."""
 
     request_id: str
-    admission: int = 0
+    admission: int
     num_new_tokens: int
     finish_reason: str | None = None
-    lost: bool = Field(default=False, description="its stream moved on: this rank lost it")
-    released: bool = Field(
-        default=False, description="the rank no longer holds it, unfinished (preempted)"
-    )
+    lost: bool = False  # its stream moved on: this rank lost it
+    released: bool = False  # the rank no longer holds it, unfinished (preempted)
 
 
-class StepResult(_Control):
-    """A rank's report of a step, after its tokens are published."""
+@dataclass(slots=True)
+class StepResult:
+    """A rank's report of a step, written in the same script as the step's chunks."""
 
     epoch: int
     step: int
     rank: int
     incarnation: str = ""
-    outcomes: list[RequestOutcome] = Field(default_factory=list)
+    outcomes: list[RequestOutcome] = field(default_factory=list)
     num_decode_launches: int = 0
     num_decode_rows: int = 0
     num_padding_rows: int = 0
     num_prefill_launches: int = 0
     num_draft_proposed: int = 0
     num_draft_accepted: int = 0
-    exec_ms: float = 0.0
+    exec_ms: float = 0.0  # the step on the rank's model thread
+    launch_ms: float = 0.0  # of which inside launches
+    idle_ms: float = 0.0  # waiting for this plan before it
+
+    def encode(self) -> bytes:
+        """msgpack bytes of the result."""
+        outcomes = [
+            [o.request_id, o.admission, o.num_new_tokens, o.finish_reason, o.lost, o.released]
+            for o in self.outcomes
+        ]
+        return msgpack.packb(
+            [
+                self.epoch,
+                self.step,
+                self.rank,
+                self.incarnation,
+                outcomes,
+                self.num_decode_launches,
+                self.num_decode_rows,
+                self.num_padding_rows,
+                self.num_prefill_launches,
+                self.num_draft_proposed,
+                self.num_draft_accepted,
+                self.exec_ms,
+                self.launch_ms,
+                self.idle_ms,
+            ]
+        )
+
+    @classmethod
+    def decode(cls, raw: bytes) -> StepResult:
+        """A result from its bytes; ValueError if they are not one."""
+        try:
+            values = dict(zip([f.name for f in fields(cls)], msgpack.unpackb(raw), strict=True))
+            values["outcomes"] = [RequestOutcome(*o) for o in values["outcomes"]]
+            return cls(**values)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"not a step result: {exc}") from exc

@@ -19,24 +19,49 @@ from schemas.messages import ResultChunk
 
 APPENDED, OUT_OF_ORDER, ALREADY_FINAL = 1, 0, -1
 
-APPEND_SCRIPT = """
-local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
-local expected = 0
-if #last > 0 then
-  local fields = last[1][2]
-  local seq, final = -1, '0'
-  for i = 1, #fields, 2 do
-    if fields[i] == 'seq' then seq = tonumber(fields[i + 1])
-    elseif fields[i] == 'final' then final = fields[i + 1] end
+# append(key, seq, payload, final, ttl): 1 appended, 0 out of order, -1 after a final chunk
+APPEND_FUNCTION = """
+local function append(key, seq, payload, final, ttl)
+  local last = redis.call('XREVRANGE', key, '+', '-', 'COUNT', 1)
+  local expected = 0
+  if #last > 0 then
+    local fields = last[1][2]
+    local last_seq, last_final = -1, '0'
+    for i = 1, #fields, 2 do
+      if fields[i] == 'seq' then last_seq = tonumber(fields[i + 1])
+      elseif fields[i] == 'final' then last_final = fields[i + 1] end
+    end
+    if last_final == '1' then return -1 end
+    expected = last_seq + 1
   end
-  if final == '1' then return -1 end
-  expected = seq + 1
+  if tonumber(seq) ~= expected then return 0 end
+  redis.call('XADD', key, '*', 'm', payload, 'seq', seq, 'final', final)
+  if final == '1' then redis.call('EXPIRE', key, tonumber(ttl)) end
+  return 1
 end
-if tonumber(ARGV[1]) ~= expected then return 0 end
-redis.call('XADD', KEYS[1], '*', 'm', ARGV[2], 'seq', ARGV[1], 'final', ARGV[3])
-if ARGV[3] == '1' then redis.call('EXPIRE', KEYS[1], tonumber(ARGV[4])) end
-return 1
 """
+# One chunk: KEYS[1] its result stream; ARGV: seq, payload, final ('1'/'0'), ttl seconds.
+APPEND_SCRIPT = APPEND_FUNCTION + "return append(KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4])"
+# A rank's whole step in one call, fenced by its incarnation: KEYS[1] the pool's step results
+# stream, KEYS[2] the rank's registry hash, KEYS[3..] the chunks' result streams in order;
+# ARGV[1] the incarnation, ARGV[2] the encoded step result, ARGV[3] the step results maxlen,
+# then seq, payload, final, ttl per chunk. Returns -2 (fenced: nothing written) or one
+# append reply per chunk; the step result is added after the chunks.
+STEP_SCRIPT = (
+    APPEND_FUNCTION
+    + """
+local registered = redis.call('HMGET', KEYS[2], 'incarnation', 'state')
+if registered[1] ~= ARGV[1] or registered[2] == 'lost' then return -2 end
+local replies = {}
+for i = 3, #KEYS do
+  local a = 4 + (i - 3) * 4
+  replies[i - 2] = append(KEYS[i], ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3])
+end
+redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], '*', 'm', ARGV[2])
+return replies
+"""
+)
+FENCED = -2
 
 
 class ResultWriter:

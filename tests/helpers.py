@@ -5,14 +5,21 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
+from tokenizers import Tokenizer
 
-from npu_worker.loader import LoadedModel, load_model, resolve_model_dir
-from npu_worker.reference import ReferenceCompletion, generate_alone
+from npu_worker.engine import RankEngine
+from npu_worker.loader import LoadedModel, load_model
+from npu_worker.output import OutputProcessor
+from npu_worker.presets import resolve_model_dir
 from npu_worker.runner import LaunchRunner
+from schemas.codec import decode
 from schemas.config import Settings
+from schemas.control import RankStepPlan, StepResult
 from schemas.messages import ResultChunk
+from tests.reference import ReferenceCompletion, generate_alone
 
 # float32 rows computed in different batch positions may differ by rounding; a top-2 gap
 # under this is a near-tie that may resolve either way (DESIGN §7).
@@ -29,7 +36,7 @@ def load_reference_model(settings: Settings) -> LoadedModel:
 def reference_runner(loaded: LoadedModel, settings: Settings) -> LaunchRunner:
     """Launches of the same shapes as the pool's ranks, for lone-request references."""
     return LaunchRunner(
-        loaded,
+        loaded.model,
         settings.kv_slots_per_rank,
         settings.max_kv_len,
         settings.prefill_chunk,
@@ -48,6 +55,43 @@ def reference(
     return generate_alone(
         runner, prompt_ids, max_tokens, set(loaded.config.eos_token_ids), settings.max_model_len
     )
+
+
+@dataclass(slots=True)
+class LocalStep:
+    """What one step of a LocalRank wrote: its chunks, decoded, and its step result."""
+
+    chunks: list[ResultChunk]
+    result: StepResult
+
+
+class LocalRank:
+    """A rank's model thread and output processing in this process, with no Redis: the
+    engine's records go straight through the output processor, as the output process does."""
+
+    def __init__(
+        self,
+        runner: LaunchRunner,
+        tokenizer: Tokenizer,
+        eos_token_ids: tuple[int, ...],
+        max_model_len: int,
+        rank: int = 0,
+        lockstep: bool = False,
+    ) -> None:
+        self.engine = RankEngine(runner, eos_token_ids, max_model_len, rank, lockstep)
+        self.output = OutputProcessor(tokenizer)
+
+    def execute(self, plan: RankStepPlan) -> LocalStep:
+        """Run one plan; the chunks it publishes and its step result."""
+        out = self.output.process(self.engine.execute(plan))
+        self.engine.drop(out.ended)
+        chunks = [decode(ResultChunk, chunk.payload) for chunk in out.chunks]
+        return LocalStep(chunks, out.result)
+
+    @property
+    def busy_slots(self) -> list[int]:
+        """Slots of requests still running."""
+        return sorted(self.engine.slots)
 
 
 def random_prompt(rng: random.Random, length: int, vocab_size: int) -> list[int]:

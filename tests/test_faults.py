@@ -9,7 +9,6 @@ import signal
 
 import msgpack
 
-from npu_worker.reference import first_divergence, generate_alone
 from producer.client import Client
 from schemas.keys import Keys
 from schemas.messages import FinishReason
@@ -21,6 +20,7 @@ from tests.helpers import (
     reference_runner,
     wait_until,
 )
+from tests.reference import first_divergence, generate_alone
 
 KEYS = Keys()
 

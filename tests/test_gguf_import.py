@@ -19,12 +19,13 @@ from tokenizers import Tokenizer
 
 from npu_worker.gguf_import import import_gguf
 from npu_worker.imported import ensure_imported, packaged_gguf
-from npu_worker.loader import read_chat_template, resolve_model_dir
+from npu_worker.loader import read_chat_template
 from npu_worker.model_config import UnsupportedModel
-from npu_worker.reference import ReferenceCompletion, first_divergence
+from npu_worker.presets import resolve_model_dir
 from npu_worker.tiny import CHAT_TEMPLATE, ensure_tiny_model
 from producer.client import Client
 from tests.helpers import TIE_TOLERANCE, check_stream, random_prompt
+from tests.reference import ReferenceCompletion, first_divergence
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")

@@ -8,14 +8,13 @@ import random
 import pytest
 import torch
 
-from npu_worker.engine import RankEngine
 from npu_worker.loader import LoadedModel
 from npu_worker.model import LaunchInputs
 from npu_worker.runner import LaunchRunner
 from schemas.config import Settings
 from schemas.control import NewRequest, PrefillChunk, RankStepPlan
 from schemas.messages import SamplingParams
-from tests.helpers import load_reference_model, random_prompt
+from tests.helpers import LocalRank, load_reference_model, random_prompt
 
 SETTINGS = Settings(
     model="tiny", device="cpu", max_model_len=512, kv_slots_per_rank=8, decode_batch=4
@@ -29,7 +28,7 @@ def loaded() -> LoadedModel:
 
 def make_runner(loaded: LoadedModel, num_slots: int = 8) -> LaunchRunner:
     return LaunchRunner(
-        loaded, num_slots, SETTINGS.max_kv_len, SETTINGS.prefill_chunk, SETTINGS.decode_batch
+        loaded.model, num_slots, SETTINGS.max_kv_len, SETTINGS.prefill_chunk, SETTINGS.decode_batch
     )
 
 
@@ -97,7 +96,7 @@ def test_engine_runs_only_the_declared_launch_shapes(loaded: LoadedModel) -> Non
     loaded.model.register_forward_pre_hook(
         lambda _m, args: shapes.add(tuple(args[0].input_ids.shape))
     )
-    engine = RankEngine(runner, loaded.tokenizer, (), SETTINGS.max_model_len)
+    engine = LocalRank(runner, loaded.tokenizer, (), SETTINGS.max_model_len)
     rng = random.Random(3)
     news = [
         NewRequest(
@@ -133,13 +132,13 @@ def test_engine_runs_only_the_declared_launch_shapes(loaded: LoadedModel) -> Non
     outputs = [engine.execute(plan) for plan in plans]
     assert shapes == {(1, SETTINGS.prefill_chunk), (SETTINGS.decode_batch, 1)}
     assert [len(o.chunks) for o in outputs] == [1, 2, 2]
-    assert outputs[2].chunks[0][0].finish_reason == "length"  # r0: 3 tokens, max_tokens 3
+    assert outputs[2].chunks[0].finish_reason == "length"  # r0: 3 tokens, max_tokens 3
     assert outputs[2].result.num_padding_rows == SETTINGS.decode_batch - 2
 
 
 def test_generation_stops_at_max_model_len(loaded: LoadedModel) -> None:
     runner = make_runner(loaded)
-    engine = RankEngine(runner, loaded.tokenizer, (), max_model_len=130)
+    engine = LocalRank(runner, loaded.tokenizer, (), max_model_len=130)
     prompt = random_prompt(random.Random(4), 128, 500)
     new = NewRequest(
         request_id="long",
@@ -159,8 +158,8 @@ def test_generation_stops_at_max_model_len(loaded: LoadedModel) -> None:
         )
     )
     second = engine.execute(RankStepPlan(epoch=1, step=2, rank=0, decode_launches=[[0]]))
-    assert first.chunks[0][0].finish_reason is None
-    final = second.chunks[0][0]
+    assert first.chunks[0].finish_reason is None
+    final = second.chunks[0]
     assert final.finish_reason == "length" and final.index == 1
     assert final.usage is not None and final.usage.completion_tokens == 2
-    assert engine.slots == {}
+    assert engine.busy_slots == []

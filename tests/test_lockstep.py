@@ -10,12 +10,12 @@ import torch
 from batcher.dispatch import rank_plans
 from batcher.intake import Tracked
 from batcher.scheduler import PlannerConfig, PoolState, Sequence, finish, plan_step
-from npu_worker.engine import RankEngine
-from npu_worker.loader import load_model, resolve_model_dir
+from npu_worker.loader import load_model
+from npu_worker.presets import resolve_model_dir
 from npu_worker.runner import LaunchRunner
 from schemas.config import Settings
 from schemas.messages import GenerateRequest, SamplingParams
-from tests.helpers import random_prompt
+from tests.helpers import LocalRank, random_prompt
 
 SETTINGS = Settings(
     model="tiny",
@@ -34,8 +34,8 @@ def test_lockstep_ranks_run_identical_launch_sequences_every_step() -> None:
         resolve_model_dir("tiny"), "auto", torch.device("cpu"), SETTINGS.max_kv_len, mtp=True
     )
     engines = [
-        RankEngine(
-            LaunchRunner(loaded, 4, SETTINGS.max_kv_len, 128, 2),
+        LocalRank(
+            LaunchRunner(loaded.model, 4, SETTINGS.max_kv_len, 128, 2),
             loaded.tokenizer,
             (),
             SETTINGS.max_model_len,
@@ -67,13 +67,15 @@ def test_lockstep_ranks_run_identical_launch_sequences_every_step() -> None:
         for rank, engine in enumerate(engines):
             plan = plans.get(rank)
             outcomes = engine.execute(plan).result.outcomes if plan else []
-            logs.append(list(engine.runner.launches) if plan else [])
+            logs.append(list(engine.engine.runner.launches) if plan else [])
             for outcome in outcomes:
                 if outcome.finish_reason is not None:
                     finish(state, outcome.request_id)
             idle_steps += (
                 plan is not None
-                and not any(engine.slots.get(s) for launch in plan.decode_launches for s in launch)
+                and not any(
+                    s in engine.busy_slots for launch in plan.decode_launches for s in launch
+                )
                 and all(c.num_tokens == 0 for c in plan.prefill)
             )
         assert logs[0] == logs[1], f"step {step}: rank 0 ran {logs[0]}, rank 1 ran {logs[1]}"

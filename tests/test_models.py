@@ -9,18 +9,20 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgpack
 import pytest
 import torch
 
 from npu_worker.devices import resolve_device
-from npu_worker.engine import RankEngine
 from npu_worker.loader import load_model
 from npu_worker.model_config import UnsupportedModel
+from npu_worker.output import OutputProcessor
+from npu_worker.records import StepRecord, TokenRow
 from npu_worker.tiny import ensure_tiny_model
 from schemas.config import Settings
 from schemas.control import NewRequest
 from schemas.messages import SamplingParams
-from tests.helpers import load_reference_model, reference_runner
+from tests.helpers import load_reference_model
 
 
 def copy_tiny(tmp_path: Path) -> Path:
@@ -87,7 +89,7 @@ def test_streamed_text_never_splits_a_multibyte_character() -> None:
         model="tiny", device="cpu", max_model_len=256, decode_batch=2, kv_slots_per_rank=2
     )
     loaded = load_reference_model(settings)
-    engine = RankEngine(reference_runner(loaded, settings), loaded.tokenizer, (), 256)
+    output = OutputProcessor(loaded.tokenizer)
     text = "Größe 東京 🙂 naïve"
     byte_tokens = []
     for piece, _ in loaded.tokenizer.pre_tokenizer.pre_tokenize_str(text):
@@ -101,12 +103,13 @@ def test_streamed_text_never_splits_a_multibyte_character() -> None:
         sampling=SamplingParams(max_tokens=200),
         result_ttl_s=60,
     )
-    state = engine._admit(new)
+    record = StepRecord(1, 1, 0, "", new_requests=[new])
     pieces = []
     for token in byte_tokens:
-        engine._append(state, token)
-        pieces.append("".join(state.pending_text))
-        state.pending_text = []
+        record.rows = [TokenRow(slot=0, admission=0, token_ids=[token])]
+        (chunk,) = output.process(record).chunks
+        pieces.append(msgpack.unpackb(chunk.payload)["text"])
+        record.new_requests = []
     assert "".join(pieces) == text
     assert all("\ufffd" not in piece for piece in pieces)
 

@@ -10,20 +10,19 @@ from collections import Counter
 import pytest
 import torch
 
-from npu_worker.engine import RankEngine
-from npu_worker.loader import LoadedModel, load_model, resolve_model_dir
+from npu_worker.loader import LoadedModel, load_model
 from npu_worker.model import LaunchInputs
 from npu_worker.mtp import accept_drafts
-from npu_worker.reference import first_divergence, generate_alone
+from npu_worker.presets import resolve_model_dir
 from npu_worker.runner import LaunchRunner
 from npu_worker.sampler import sampling_rows
 from producer.client import Client
-from schemas.codec import decode
 from schemas.config import Settings
 from schemas.control import NewRequest, PrefillChunk, RankStepPlan, StepResult
 from schemas.keys import Keys
 from schemas.messages import SamplingParams
-from tests.helpers import TIE_TOLERANCE, check_stream, random_prompt
+from tests.helpers import TIE_TOLERANCE, LocalRank, check_stream, random_prompt
+from tests.reference import first_divergence, generate_alone
 
 SETTINGS = Settings(
     model="tiny", device="cpu", max_model_len=512, decode_batch=4, kv_slots_per_rank=8
@@ -73,7 +72,7 @@ def committed(runner: LaunchRunner, slot: int) -> tuple[int, int, int]:
 
 
 def test_committed_window_after_acceptance_and_rejection(with_mtp: LoadedModel) -> None:
-    runner = LaunchRunner(with_mtp, 8, SETTINGS.max_kv_len, 128, 4)
+    runner = LaunchRunner(with_mtp.model, 8, SETTINGS.max_kv_len, 128, 4)
     prompt = random_prompt(random.Random(1), 20, 512)
     for slot in (2, 3):
         out = runner.prefill_launch(slot, prompt, 0)
@@ -115,7 +114,7 @@ def test_greedy_with_mtp_equals_greedy_without_over_three_microbatches_per_rank(
         mtp=True, ranks=2, decode_batch=4, max_num_seqs=24, kv_slots_per_rank=12, max_model_len=512
     ).settings
     plain = load(mtp=False)
-    runner = LaunchRunner(plain, 12, settings.max_kv_len, 128, 4)
+    runner = LaunchRunner(plain.model, 12, settings.max_kv_len, 128, 4)
     rng = random.Random(11)
     texts = ["Once upon a time", "Hello, world!", "The pool reads requests", "def add(a, b):"]
     cases = []
@@ -133,7 +132,7 @@ def test_greedy_with_mtp_equals_greedy_without_over_three_microbatches_per_rank(
         problem = first_divergence(tokens, want, TIE_TOLERANCE)
         assert problem is None, f"{request_id}: {problem}"
     steps = [
-        decode(StepResult, f[b"m"])
+        StepResult.decode(f[b"m"])
         for _, f in redis_client.xrange(Keys().step_results(settings.pool))
     ]
     proposed = sum(s.num_draft_proposed for s in steps)
@@ -144,8 +143,8 @@ def test_greedy_with_mtp_equals_greedy_without_over_three_microbatches_per_rank(
 
 def sample_paths(loaded: LoadedModel, count: int, seed_base: int) -> Counter:
     """(token 1, token 2) of `count` sampled completions of one prompt, 8 at a time."""
-    runner = LaunchRunner(loaded, 8, SETTINGS.max_kv_len, 128, 8)
-    engine = RankEngine(runner, loaded.tokenizer, (), SETTINGS.max_model_len)
+    runner = LaunchRunner(loaded.model, 8, SETTINGS.max_kv_len, 128, 8)
+    engine = LocalRank(runner, loaded.tokenizer, (), SETTINGS.max_model_len)
     sampling = SamplingParams(max_tokens=3, temperature=1.0, top_k=3, ignore_eos=True)
     prompt = [12, 13, 14, 15]
     paths: Counter = Counter()
@@ -172,12 +171,12 @@ def sample_paths(loaded: LoadedModel, count: int, seed_base: int) -> Counter:
             prefill=[PrefillChunk(slot=i, start=0, num_tokens=4) for i in range(8)],
         )
         while True:
-            for chunk, _ in engine.execute(plan).chunks:
+            for chunk in engine.execute(plan).chunks:
                 tokens[chunk.id] += chunk.token_ids
-            if not engine.slots:
+            if not engine.busy_slots:
                 break
             step += 1
-            plan = RankStepPlan(epoch=1, step=step, rank=0, decode_launches=[sorted(engine.slots)])
+            plan = RankStepPlan(epoch=1, step=step, rank=0, decode_launches=[engine.busy_slots])
         paths.update(tuple(t[1:3]) for t in tokens.values())
     return paths
 
@@ -198,8 +197,8 @@ def test_sampled_tokens_with_mtp_follow_the_same_distribution(with_mtp: LoadedMo
 def test_mtp_never_overruns_max_model_len_or_max_tokens(
     with_mtp: LoadedModel, prompt_len: int, max_tokens: int, expected: int
 ) -> None:
-    runner = LaunchRunner(with_mtp, 8, 256, 128, 4)
-    engine = RankEngine(runner, with_mtp.tokenizer, (), max_model_len=160)
+    runner = LaunchRunner(with_mtp.model, 8, 256, 128, 4)
+    engine = LocalRank(runner, with_mtp.tokenizer, (), max_model_len=160)
     prompt = random_prompt(random.Random(prompt_len), prompt_len, 512)
     new = NewRequest(
         request_id="edge",
@@ -220,12 +219,12 @@ def test_mtp_never_overruns_max_model_len_or_max_tokens(
     tokens: list[int] = []
     finals = []
     for plan in plans:
-        for chunk, _ in engine.execute(plan).chunks:
+        for chunk in engine.execute(plan).chunks:
             tokens += chunk.token_ids
             finals.append(chunk.finish_reason)
     step = 10
-    while engine.slots:
-        for chunk, _ in engine.execute(
+    while engine.busy_slots:
+        for chunk in engine.execute(
             RankStepPlan(epoch=1, step=step, rank=0, decode_launches=[[0]])
         ).chunks:
             tokens += chunk.token_ids

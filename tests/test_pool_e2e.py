@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import random
 
-from npu_worker.reference import first_divergence
 from producer.client import Client
-from schemas.codec import decode
 from schemas.control import StepResult
 from schemas.keys import Keys
 from schemas.messages import FinishReason
@@ -19,6 +17,7 @@ from tests.helpers import (
     reference_runner,
     wait_until,
 )
+from tests.reference import first_divergence
 
 PROMPT_LENGTHS = [1, 127, 128, 129, 300, 2, 64, 200, 255, 256, 257, 17]
 
@@ -54,7 +53,7 @@ def test_concurrent_greedy_requests_match_each_request_run_alone(
         assert final.finish_reason == expected_reason
 
     results = redis_client.xrange(Keys().step_results(settings.pool))
-    steps = [decode(StepResult, fields[b"m"]) for _, fields in results]
+    steps = [StepResult.decode(fields[b"m"]) for _, fields in results]
     assert max(s.num_decode_launches for s in steps) == 4  # 16 rows per rank, B4 launches
     assert all(s.num_decode_rows + s.num_padding_rows == 4 * s.num_decode_launches for s in steps)
     wait_until(lambda: redis_client.xlen(Keys().requests) == 0, what="every entry deleted")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import random
 
-from npu_worker.reference import first_divergence
 from producer.client import Client
 from producer.status import pool_status
 from schemas.keys import Keys
@@ -18,6 +17,7 @@ from tests.helpers import (
     reference_runner,
     wait_until,
 )
+from tests.reference import first_divergence
 
 KEYS = Keys()
 

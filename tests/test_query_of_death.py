@@ -11,8 +11,6 @@ import signal
 import pytest
 
 import npu_worker.engine as engine_module
-from npu_worker.engine import RankEngine
-from npu_worker.reference import first_divergence
 from npu_worker.stops import StopStrings
 from producer.client import Client
 from producer.status import collect_status
@@ -22,6 +20,7 @@ from schemas.keys import Keys
 from schemas.messages import FinishReason, ResultChunk, SamplingParams
 from tests.helpers import (
     TIE_TOLERANCE,
+    LocalRank,
     check_stream,
     load_reference_model,
     random_prompt,
@@ -29,12 +28,13 @@ from tests.helpers import (
     reference_runner,
     wait_until,
 )
+from tests.reference import first_divergence
 
 POISON_SEED = 666
 
 
 def run_alone_in_engine(
-    engine: RankEngine, requests: dict[str, tuple[list[int], SamplingParams]]
+    engine: LocalRank, requests: dict[str, tuple[list[int], SamplingParams]]
 ) -> dict[str, list[ResultChunk]]:
     """Prefill every request in one step, then decode them together until all end."""
     news = [
@@ -52,11 +52,11 @@ def run_alone_in_engine(
     plan = RankStepPlan(epoch=0, step=0, rank=0, new_requests=news, prefill=prefill)
     chunks: dict[str, list[ResultChunk]] = {r: [] for r in requests}
     for step in range(1, 200):
-        for chunk, _ in engine.execute(plan).chunks:
+        for chunk in engine.execute(plan).chunks:
             chunks[chunk.id].append(chunk)
-        if not engine.slots:
+        if not engine.busy_slots:
             return chunks
-        launch = sorted(engine.slots)
+        launch = engine.busy_slots
         plan = RankStepPlan(epoch=0, step=step, rank=0, decode_launches=[launch])
     raise AssertionError("requests never ended")
 
@@ -65,7 +65,7 @@ def test_an_exception_serving_one_request_ends_only_that_request(monkeypatch) ->
     settings = Settings(model="tiny", device="cpu", max_model_len=256, decode_batch=4)
     loaded = load_reference_model(settings)
     runner = reference_runner(loaded, settings)
-    engine = RankEngine(runner, loaded.tokenizer, loaded.config.eos_token_ids, 256)
+    engine = LocalRank(runner, loaded.tokenizer, loaded.config.eos_token_ids, 256)
     real_sample, real_feed = engine_module.sample, StopStrings.feed
 
     def poisoned_sample(logits, rows):  # a sampling bug that only one request's row hits

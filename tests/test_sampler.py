@@ -18,7 +18,8 @@ def rows(n: int, **overrides: list) -> SamplingRows:
     } | overrides
     dtypes = {"top_k": torch.long, "seed": torch.long, "index": torch.long}
     return SamplingRows(
-        **{k: torch.tensor(v, dtype=dtypes.get(k, torch.float32)) for k, v in values.items()}
+        **{k: torch.tensor(v, dtype=dtypes.get(k, torch.float32)) for k, v in values.items()},
+        all_greedy=all(t == 0 for t in values["temperature"]),
     )
 
 

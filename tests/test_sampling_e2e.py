@@ -8,11 +8,16 @@ import random
 import pytest
 import torch
 
-from npu_worker.engine import RankEngine
 from producer.client import Client
 from schemas.control import NewRequest, PrefillChunk, RankStepPlan
 from schemas.messages import FinishReason, SamplingParams
-from tests.helpers import check_stream, load_reference_model, random_prompt, reference_runner
+from tests.helpers import (
+    LocalRank,
+    check_stream,
+    load_reference_model,
+    random_prompt,
+    reference_runner,
+)
 
 
 def test_a_seeded_request_draws_the_same_text_alone_and_under_load(
@@ -115,7 +120,7 @@ def test_min_tokens_keeps_eos_away_until_reached() -> None:
     first = int(reference_runner(loaded, settings).prefill(0, prompt, 0).argmax())
 
     def run(min_tokens: int) -> list[int]:
-        engine = RankEngine(reference_runner(loaded, settings), loaded.tokenizer, (first,), 256)
+        engine = LocalRank(reference_runner(loaded, settings), loaded.tokenizer, (first,), 256)
         new = NewRequest(
             request_id="m",
             slot=0,
@@ -133,11 +138,11 @@ def test_min_tokens_keeps_eos_away_until_reached() -> None:
                 prefill=[PrefillChunk(slot=0, start=0, num_tokens=3)],
             )
         )
-        tokens = list(out.chunks[0][0].token_ids)
+        tokens = list(out.chunks[0].token_ids)
         step = 2
-        while engine.slots:
+        while engine.busy_slots:
             out = engine.execute(RankStepPlan(epoch=1, step=step, rank=0, decode_launches=[[0]]))
-            tokens += out.chunks[0][0].token_ids
+            tokens += out.chunks[0].token_ids
             step += 1
         return tokens
 

