@@ -1,4 +1,4 @@
-"""Accepting MTP drafts (DESIGN §4): greedy rows accept a draft iff it is the argmax;
+"""Accepting MTP drafts (docs/architecture.md §4): greedy rows accept a draft iff it is the argmax;
 sampled rows accept it with probability p(draft) and otherwise draw from p without it,
 renormalised, which leaves every token's probability exactly p (lossless)."""
 

@@ -1,5 +1,5 @@
 """Offline batch jobs through RQ: a JSONL file of requests in, a JSONL file of completions out,
-in input order (DESIGN §9, `npu-pool batch`).
+in input order (`npu-pool batch`).
 
 A batch is one RQ job (JSON serializer, so nothing is pickled; `Retry` for a run that raises;
 a job timeout). The job keeps at most `window` of its requests in the pool and appends each

@@ -1,5 +1,5 @@
 """`npu-pool bench`: the serving benchmark, with the kernel ceiling and the peers measured in
-the same run on the same model and machine (DESIGN §10).
+the same run on the same model and machine (docs/architecture.md §10).
 
     npu-pool bench [--quick] [--json out.json] [--plot out.png] [settings flags]
     npu-pool bench --kernels [...]        the launch microbenchmark alone

@@ -1,4 +1,4 @@
-"""`Client` and `AsyncClient`: submit requests, stream and collect results (DESIGN §9)."""
+"""`Client` and `AsyncClient`: submit requests, stream and collect results."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Reading the pool registry: which pools and ranks run where, and the queue (DESIGN §9)."""
+"""Reading the pool registry: which pools and ranks run where, and the queue."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ def cache_dir() -> Path:
 
 
 class Settings(BaseSettings):
-    """Configuration shared by every npu-pool process (DESIGN §9)."""
+    """Configuration shared by every npu-pool process."""
 
     model_config = SettingsConfigDict(env_prefix="NPUPOOL_", extra="ignore")
 

@@ -1,4 +1,4 @@
-"""Every Redis key npu-pool uses, in one place (DESIGN §5)."""
+"""Every Redis key npu-pool uses, in one place (docs/architecture.md §5)."""
 
 from __future__ import annotations
 

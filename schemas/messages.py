@@ -1,4 +1,4 @@
-"""Wire messages between producers and the pool (DESIGN §6), schema version 1."""
+"""Wire messages between producers and the pool (docs/architecture.md §6), schema version 1."""
 
 from __future__ import annotations
 

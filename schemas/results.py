@@ -1,4 +1,4 @@
-"""Writing and reading result streams with one writer at a time (DESIGN §5, §6).
+"""Writing and reading result streams with one writer at a time (docs/architecture.md §5, §6).
 
 Every chunk is appended by a Lua script that checks the stream's last `seq`: a chunk whose
 `seq` is not the next one, or that follows a final chunk, is refused. So a stale writer

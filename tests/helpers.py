@@ -22,7 +22,7 @@ from schemas.messages import ResultChunk
 from tests.reference import ReferenceCompletion, generate_alone
 
 # float32 rows computed in different batch positions may differ by rounding; a top-2 gap
-# under this is a near-tie that may resolve either way (DESIGN §7).
+# under this is a near-tie that may resolve either way (docs/architecture.md §7).
 TIE_TOLERANCE = 1e-3
 
 

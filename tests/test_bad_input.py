@@ -1,5 +1,5 @@
 """Bad input never crashes anything: each kind gets its exact outcome, and the pool keeps
-serving (DESIGN §7)."""
+serving (docs/architecture.md §7)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Crashes lose nothing and change no token: kill -9 a worker, then the batcher, then a
-whole pool (DESIGN §7, durability)."""
+whole pool (docs/architecture.md §7, durability)."""
 
 from __future__ import annotations
 

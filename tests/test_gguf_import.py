@@ -1,6 +1,6 @@
 """GGUF import, checked against `transformers`' own GGUF loader on small files written here
 the way llama.cpp writes them (Q/K rows permuted for Llama, several tensor types), and a pool
-serving a `.gguf` path with transformers' greedy tokens (DESIGN §7, tie-tolerant)."""
+serving a `.gguf` path with transformers' greedy tokens (docs/architecture.md §7, tie-tolerant)."""
 
 from __future__ import annotations
 

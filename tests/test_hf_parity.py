@@ -1,6 +1,6 @@
 """Real checkpoints: tiny random Llama (with Llama 3 RoPE scaling), Mistral and Qwen2 models
 written by `transformers` are served by the pool with the tokens of `transformers`' own
-greedy `generate` (DESIGN §7, tie-tolerant)."""
+greedy `generate` (docs/architecture.md §7, tie-tolerant)."""
 
 from __future__ import annotations
 

