@@ -1,4 +1,5 @@
-"""At-least-once intake across crashes (docs/architecture.md §7): own pending entries, leases, claims.
+"""At-least-once intake across crashes: own pending entries, leases, claims (see
+docs/architecture.md §7).
 
 A pool reads entries as consumer `{pool}` of group `pools` and acknowledges one only after
 its final chunk is written. A restarted batcher claims its own pending entries back; a

@@ -1,4 +1,5 @@
-"""The step planner (docs/architecture.md §3): a pure function of pool state and config, no I/O, no torch.
+"""The step planner (docs/architecture.md §3): a pure function of pool state and config,
+no I/O, no torch.
 
 `plan_step` admits waiting requests and packs decode rows and prefill chunks onto the
 fixed launches; `finish`, `stop`, `lose_rank` and `join_rank` apply what happened since.

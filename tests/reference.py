@@ -47,7 +47,8 @@ def generate_alone(
 def first_divergence(
     actual: list[int], reference: ReferenceCompletion, tie_tolerance: float
 ) -> str | None:
-    """None if `actual` matches the reference up to a near-tie, else why not (docs/architecture.md §7)."""
+    """None if `actual` matches the reference up to a near-tie, else why not (see
+    docs/architecture.md §7)."""
     for i, (got, want) in enumerate(zip(actual, reference.token_ids)):
         if got != want:
             gap = reference.top2_gaps[i]

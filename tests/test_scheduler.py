@@ -1,4 +1,5 @@
-"""The step planner (docs/architecture.md §3): exact unit cases (simulations: test_scheduler_properties)."""
+"""The step planner (docs/architecture.md §3): exact unit cases (the simulations are in
+test_scheduler_properties)."""
 
 from __future__ import annotations
 
