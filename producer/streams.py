@@ -1,0 +1,192 @@
+"""Many live result streams read through a few blocking XREADs (one per connection).
+
+A `StreamMux` spreads subscriptions over up to `max_lanes` lanes. Each lane is one reader
+task on one connection that loops `XREAD BLOCK ms STREAMS k1 … kn wake id1 … idn wake-id`
+over every stream it serves and hands each stream's entries to that stream's queue. A
+stream that joins while the lane is blocked wakes it with an XADD to the lane's private
+wake-up stream (also in the XREAD), so it is read at once rather than after the block.
+Keys of one XREAD must share a hash slot on Redis Cluster: give the namespace a hash tag.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from typing import Any, cast
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from schemas.keys import Keys
+
+Entry = tuple[bytes, dict[bytes, bytes]]
+WAKE_TTL_S = 3600
+FINAL = b"final"
+
+
+class Subscription:
+    """One result stream's entries as they arrive, in order; close it when done."""
+
+    def __init__(self, lane: _Lane, key: bytes, cursor: bytes) -> None:
+        self.lane = lane
+        self.key = key
+        self.cursor = cursor
+        self.queue: asyncio.Queue[list[Entry] | BaseException] = asyncio.Queue()
+        self.closed = False
+
+    async def get(self, timeout_s: float | None = None) -> list[Entry]:
+        """The next entries (one or more); TimeoutError after `timeout_s` with none."""
+        if timeout_s is None:
+            item = await self.queue.get()
+        else:
+            try:
+                item = await asyncio.wait_for(self.queue.get(), max(0.0, timeout_s))
+            except asyncio.TimeoutError:  # a distinct class before Python 3.11
+                raise TimeoutError(f"no entry on {self.key.decode()} in {timeout_s:.1f}s") from None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        """Stop reading this stream (idempotent)."""
+        if not self.closed:
+            self.closed = True
+            self.lane.streams.pop(self.key, None)
+
+
+class _Lane:
+    """One reader task and its connection, serving a set of streams."""
+
+    def __init__(self, mux: StreamMux, index: int) -> None:
+        self.mux = mux
+        self.streams: dict[bytes, Subscription] = {}
+        self.wake_key = mux.keys.wake(f"{mux.instance}:{index}").encode()
+        self.wake_cursor = b"0-0"
+        self.wake_pending = False
+        self.blocked = False
+        self.task = asyncio.get_running_loop().create_task(self._run())
+
+    def add(self, sub: Subscription) -> None:
+        self.streams[sub.key] = sub
+        if self.blocked and not self.wake_pending:
+            self.wake_pending = True
+            self.mux.spawn(self._wake())
+
+    async def _wake(self) -> None:
+        pipe = self.mux.redis.pipeline(transaction=False)
+        pipe.xadd(self.wake_key, {"w": 1}, maxlen=1, approximate=False)
+        pipe.expire(self.wake_key, WAKE_TTL_S)
+        with contextlib.suppress(RedisError):  # the reader then sees the stream after its block
+            await pipe.execute()
+
+    async def _run(self) -> None:
+        failures = 0
+        while not self.mux.closing:
+            self.wake_pending = False
+            streams: dict[Any, Any] = {key: sub.cursor for key, sub in self.streams.items()}
+            streams[self.wake_key] = self.wake_cursor
+            self.blocked = True
+            try:
+                reply = await self.mux.reader.xread(
+                    streams, count=self.mux.count, block=self.mux.block_ms
+                )
+                failures = 0
+            except Exception as exc:  # any failed read: its streams raise it, the lane goes on
+                self._fail(exc, streams)
+                failures += 1
+                await asyncio.sleep(min(2.0, 0.05 * 2**failures))
+                continue
+            finally:
+                self.blocked = False
+            self._deliver(cast(list[tuple[bytes, list[Entry]]], reply or []))
+
+    def _deliver(self, reply: list[tuple[bytes, list[Entry]]]) -> None:
+        for key, entries in reply:
+            if key == self.wake_key:
+                self.wake_cursor = entries[-1][0]
+                continue
+            sub = self.streams.get(key)
+            if sub is None or not entries:
+                continue
+            sub.cursor = entries[-1][0]
+            sub.queue.put_nowait(entries)
+            if entries[-1][1].get(FINAL) == b"1":
+                self.streams.pop(key, None)  # nothing follows a final chunk
+
+    def _fail(self, exc: BaseException, streams: dict[Any, Any]) -> None:
+        """Hand a read's error to every stream that was in it; they raise it."""
+        for key in streams:
+            sub = self.streams.pop(key, None)
+            if sub is not None:
+                sub.queue.put_nowait(exc)
+
+
+class StreamMux:
+    """Reads many result streams on at most `max_lanes` connections (plus wake-ups)."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        reader: aioredis.Redis,
+        keys: Keys,
+        max_lanes: int = 16,
+        streams_per_lane: int = 256,
+        block_ms: int = 1000,
+        count: int = 256,
+    ) -> None:
+        if max_lanes < 1 or streams_per_lane < 1:
+            raise ValueError(
+                f"max_lanes={max_lanes} and streams_per_lane={streams_per_lane} must be >= 1"
+            )
+        self.redis = redis
+        self.reader = reader
+        self.keys = keys
+        self.max_lanes = max_lanes
+        self.streams_per_lane = streams_per_lane
+        self.block_ms = block_ms
+        self.count = count
+        self.instance = uuid.uuid4().hex[:12]
+        self.lanes: list[_Lane] = []
+        self.closing = False
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def subscribe(self, key: str, cursor: bytes = b"0-0") -> Subscription:
+        """Start reading stream `key` after entry `cursor` ("0-0": from the start)."""
+        lane = self._pick_lane()
+        sub = Subscription(lane, key.encode(), cursor)
+        lane.add(sub)
+        return sub
+
+    @property
+    def num_streams(self) -> int:
+        """Streams being read now."""
+        return sum(len(lane.streams) for lane in self.lanes)
+
+    def _pick_lane(self) -> _Lane:
+        if self.lanes:
+            lane = min(self.lanes, key=lambda ln: len(ln.streams))
+            if len(lane.streams) < self.streams_per_lane or len(self.lanes) >= self.max_lanes:
+                return lane
+        self.lanes.append(_Lane(self, len(self.lanes)))
+        return self.lanes[-1]
+
+    def spawn(self, coro: Any) -> None:
+        """Run a fire-and-forget coroutine, keeping a reference until it ends."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        """Stop every lane and drop the wake-up streams."""
+        self.closing = True
+        tasks = {lane.task for lane in self.lanes} | self._tasks
+        while tasks:  # a read that completes as it is cancelled may swallow the cancel
+            for task in tasks:
+                task.cancel()
+            _, tasks = await asyncio.wait(tasks, timeout=0.1)
+        wake_keys = [lane.wake_key for lane in self.lanes]
+        self.lanes = []
+        if wake_keys:
+            with contextlib.suppress(RedisError):
+                await self.redis.delete(*wake_keys)
