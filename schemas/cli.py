@@ -21,6 +21,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "status": ("producer.cli", "status_main", "show pools, ranks and the queue"),
     "batch": ("producer.batch_cli", "main", "offline batch jobs through RQ"),
     "bench": ("producer.bench", "main", "benchmarks: --kernels for the launch microbenchmark"),
+    "gateway": (
+        "producer.gateway.cli",
+        "main",
+        "OpenAI-compatible HTTP front with resumable SSE result streams",
+    ),
 }
 
 
