@@ -22,6 +22,7 @@ ERROR_TYPES = {
 }
 RETRY_AFTER_S = 1
 _FIELD = re.compile(r"field `([^`]+)`")
+_NAMED = re.compile(r"`(\w+)`|(\w+)=")
 
 
 class ApiError(Exception):
@@ -60,7 +61,8 @@ def from_validation(exc: ValidationError, renames: dict[str, str] | None = None)
     parts, first = [], None
     for err in exc.errors(include_url=False):
         loc = [str(p) for p in err["loc"] if p != "sampling"]
-        where = ".".join(loc) or "body"
+        named = _NAMED.search(err["msg"])  # a check across fields names them in its message
+        where = ".".join(loc) or (named.group(1) or named.group(2) if named else "body")
         where = renames.get(where, where)
         first = first or where.split(".")[0]
         value = err.get("input")
@@ -69,7 +71,7 @@ def from_validation(exc: ValidationError, renames: dict[str, str] | None = None)
     return ApiError(400, "; ".join(parts), param=first, code="invalid_request")
 
 
-def from_final_chunk(chunk: ResultChunk) -> ApiError | None:
+def from_final_chunk(chunk: ResultChunk, renames: dict[str, str] | None = None) -> ApiError | None:
     """The HTTP error a final chunk stands for; None for stop, length and cancelled."""
     reason = chunk.finish_reason
     error = chunk.error
@@ -80,6 +82,7 @@ def from_final_chunk(chunk: ResultChunk) -> ApiError | None:
             return ApiError(429, message, code=code, headers={"Retry-After": str(RETRY_AFTER_S)})
         found = _FIELD.search(message)
         param = found.group(1).removeprefix("sampling.") if found else None
+        param = (renames or {}).get(param or "", param)
         return ApiError(400, message, param=param, code=code)
     if reason == "timeout":
         message = error.message if error else "the request passed its deadline_ms unfinished"

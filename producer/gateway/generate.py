@@ -117,4 +117,5 @@ async def generate(request: Request, kind: str) -> GenerationResponse:
         cancel_on_disconnect=cancel_on_disconnect,
         first_wait_s=gateway.config.first_chunk_wait_s,
         keepalive_s=gateway.config.keepalive_s,
+        renames=job.renames,
     )

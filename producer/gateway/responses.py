@@ -99,8 +99,10 @@ class GenerationResponse(WatchedResponse):
         cancel_on_disconnect: bool = True,
         first_wait_s: float = 10.0,
         keepalive_s: float = 15.0,
+        renames: dict[str, str] | None = None,
     ) -> None:
         self.sub = sub
+        self.renames = renames or {}
         self.renderer = renderer
         self.cancel = cancel
         self.stream = stream
@@ -125,7 +127,7 @@ class GenerationResponse(WatchedResponse):
             chunks: list[ResultChunk] = []
             while not self.finished:
                 chunks += await self._next(None) or []
-            error = from_final_chunk(chunks[-1])
+            error = from_final_chunk(chunks[-1], self.renames)
             if error is not None:
                 await send_error(send, error)
             else:
@@ -133,7 +135,7 @@ class GenerationResponse(WatchedResponse):
             return
         first = await self._next(self.first_wait_s)
         if first and first[-1].is_final:
-            error = from_final_chunk(first[-1])
+            error = from_final_chunk(first[-1], self.renames)
             if error is not None:  # nothing sent yet: the status code can still say it
                 await send_error(send, error)
                 return
@@ -155,7 +157,7 @@ class GenerationResponse(WatchedResponse):
     def _events(self, chunk: ResultChunk) -> bytes:
         if not chunk.is_final:
             return sse(self.renderer.chunk(chunk, self._usage_so_far(chunk)))
-        error = from_final_chunk(chunk)
+        error = from_final_chunk(chunk, self.renames)
         out = b""
         if error is not None:
             if chunk.text:

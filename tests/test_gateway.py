@@ -1,0 +1,137 @@
+"""The gateway driven by the official `openai` package: the pool's greedy results whole and
+streamed, for completions and chat, sync and async; request ids; the models list."""
+
+from __future__ import annotations
+
+import asyncio
+
+import openai
+
+from producer.client import Client
+from tests.conftest import StartGateway, StartPool
+
+PROMPT = "The quick brown fox"
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Name a colour."},
+]
+
+
+def api_for(gateway_url: str, **kwargs: object) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gateway_url + "/v1", api_key="unused", max_retries=0, **kwargs)
+
+
+def test_openai_client_gets_the_pools_greedy_completions_whole_and_streamed(
+    start_pool: StartPool, start_gateway: StartGateway, client: Client
+) -> None:
+    pool = start_pool(ranks=1)
+    gateway = start_gateway()
+    api = api_for(gateway.url)
+    model = pool.settings.model
+    assert [m.id for m in api.models.list()] == [model]
+
+    expected = client.generate(PROMPT, max_tokens=12, temperature=0.0)
+    whole = api.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0)
+    assert whole.choices[0].text == expected.text
+    assert whole.choices[0].finish_reason == expected.finish_reason
+    assert expected.usage is not None and whole.usage is not None
+    assert whole.usage.completion_tokens == expected.usage.completion_tokens
+    assert whole.usage.prompt_tokens == expected.usage.prompt_tokens
+
+    stream = api.completions.create(
+        model=model,
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.total_tokens == whole.usage.total_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == expected.finish_reason
+
+    by_ids = client.generate(prompt_token_ids=[5, 6, 7, 8], max_tokens=6)
+    whole_ids = api.completions.create(
+        model=model, prompt=[5, 6, 7, 8], max_tokens=6, temperature=0
+    )
+    assert whole_ids.choices[0].text == by_ids.text
+
+
+def test_openai_client_gets_the_pools_chat_replies_whole_and_streamed(
+    start_pool: StartPool, start_gateway: StartGateway, client: Client
+) -> None:
+    model = start_pool(ranks=1).settings.model
+    api = api_for(start_gateway().url)
+    expected = client.chat(MESSAGES, max_tokens=10, temperature=0.0)
+
+    reply = api.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=10, temperature=0
+    )
+    assert reply.object == "chat.completion"
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.choices[0].message.content == expected.text
+    assert reply.usage is not None and expected.usage is not None
+    assert reply.usage.prompt_tokens == expected.usage.prompt_tokens
+
+    stream = api.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=10, temperature=0, stream=True
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
+    assert chunks[-1].choices[0].finish_reason == expected.finish_reason
+    assert {c.id for c in chunks} == {chunks[0].id}
+
+
+def test_a_client_chosen_request_id_names_the_request_in_the_pool(
+    start_pool: StartPool, start_gateway: StartGateway, client: Client
+) -> None:
+    model = start_pool(ranks=1).settings.model
+    api = api_for(start_gateway().url)
+    raw = api.completions.with_raw_response.create(
+        model=model,
+        prompt=PROMPT,
+        max_tokens=5,
+        temperature=0,
+        extra_headers={"X-Request-Id": "chosen-1"},
+    )
+    assert raw.headers["x-request-id"] == "chosen-1"
+    completion = raw.parse()
+    assert completion.id == "chosen-1"
+    assert client.result("chosen-1", timeout_s=30).text == completion.choices[0].text
+    models = api.models.with_raw_response.list()
+    assert len(models.headers["x-request-id"]) == 32  # generated when not given
+
+
+def test_async_openai_client_streams_concurrent_requests_each_as_the_pool_answers_it(
+    start_pool: StartPool, start_gateway: StartGateway, client: Client
+) -> None:
+    model = start_pool(ranks=1).settings.model
+    gateway = start_gateway()
+    prompts = [f"{PROMPT} number {i}" for i in range(12)]
+    expected = [client.generate(p, max_tokens=8, temperature=0.0).text for p in prompts]
+
+    async def one(api: openai.AsyncOpenAI, prompt: str, stream: bool) -> str:
+        if not stream:
+            done = await api.completions.create(
+                model=model, prompt=prompt, max_tokens=8, temperature=0
+            )
+            return done.choices[0].text
+        parts = []
+        async for chunk in await api.completions.create(
+            model=model, prompt=prompt, max_tokens=8, temperature=0, stream=True
+        ):
+            parts.append(chunk.choices[0].text)
+        return "".join(parts)
+
+    async def main() -> list[str]:
+        async with openai.AsyncOpenAI(
+            base_url=gateway.url + "/v1", api_key="unused", max_retries=0
+        ) as api:
+            return list(
+                await asyncio.gather(*(one(api, p, i % 2 == 0) for i, p in enumerate(prompts)))
+            )
+
+    assert asyncio.run(main()) == expected
