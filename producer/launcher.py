@@ -20,6 +20,7 @@ from rich.console import Console
 from producer.embedded import EmbeddedRedis
 from schemas.config import Settings, add_settings_flags, settings_from_args
 from schemas.connection import connect
+from schemas.extras import require
 from schemas.keys import Keys
 
 log = logging.getLogger("npu_pool.up")
@@ -56,7 +57,8 @@ class PoolProcesses:
         ]
 
     def start(self) -> None:
-        """Start every child process."""
+        """Start every child process (they need the `worker` extra installed here)."""
+        require("worker")
         for child in self.children:
             self._spawn(child)
 
