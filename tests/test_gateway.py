@@ -9,6 +9,7 @@ import openai
 
 from producer.client import Client
 from tests.conftest import StartGateway, StartPool
+from tests.helpers import check_stream
 
 PROMPT = "The quick brown fox"
 MESSAGES = [
@@ -101,6 +102,11 @@ def test_a_client_chosen_request_id_names_the_request_in_the_pool(
     completion = raw.parse()
     assert completion.id == "chosen-1"
     assert client.result("chosen-1", timeout_s=30).text == completion.choices[0].text
+    again = api.completions.create(
+        model=model, prompt=PROMPT, max_tokens=5, extra_headers={"X-Request-Id": "chosen-1"}
+    )  # the same id again: the finished request's answer, not a second run
+    assert again.choices[0].text == completion.choices[0].text
+    check_stream(list(client.stream("chosen-1", timeout_s=30)))
     models = api.models.with_raw_response.list()
     assert len(models.headers["x-request-id"]) == 32  # generated when not given
 

@@ -69,6 +69,7 @@ def test_events_resume_after_a_dropped_connection_with_no_chunk_lost_or_repeated
     assert [e for _, e in read_events(url)] == expected  # replayed whole once finished
     final_seq = str(expected[-1]["seq"])
     assert read_events(url, headers={"Last-Event-ID": final_seq}) == []
+    assert read_events(f"{url}?last_event_id={last_id}") == after  # for clients without headers
     bad = httpx.get(url, headers={"Last-Event-ID": "seven"})
     assert bad.status_code == 400 and bad.headers["x-request-id"] == request_id
 
