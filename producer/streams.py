@@ -52,15 +52,23 @@ class Subscription:
         """Stop reading this stream (idempotent)."""
         if not self.closed:
             self.closed = True
-            self.lane.streams.pop(self.key, None)
+            self.lane.remove(self)
+
+
+def _position(entry_id: bytes) -> tuple[int, int]:
+    """A stream entry id as a comparable (milliseconds, sequence) pair."""
+    ms, _, seq = entry_id.partition(b"-")
+    return int(ms), int(seq or 0)
 
 
 class _Lane:
-    """One reader task and its connection, serving a set of streams."""
+    """One reader task and its connection, serving a set of streams. Several subscriptions
+    of one stream (each with its own cursor) share one key of the read, from the earliest
+    cursor; each gets only the entries after its own."""
 
     def __init__(self, mux: StreamMux, index: int) -> None:
         self.mux = mux
-        self.streams: dict[bytes, Subscription] = {}
+        self.streams: dict[bytes, list[Subscription]] = {}
         self.wake_key = mux.keys.wake(f"{mux.instance}:{index}").encode()
         self.wake_cursor = b"0-0"
         self.wake_pending = False
@@ -68,10 +76,17 @@ class _Lane:
         self.task = asyncio.get_running_loop().create_task(self._run())
 
     def add(self, sub: Subscription) -> None:
-        self.streams[sub.key] = sub
+        self.streams.setdefault(sub.key, []).append(sub)
         if self.blocked and not self.wake_pending:
             self.wake_pending = True
             self.mux.spawn(self._wake())
+
+    def remove(self, sub: Subscription) -> None:
+        subs = self.streams.get(sub.key, [])
+        if sub in subs:
+            subs.remove(sub)
+        if not subs:
+            self.streams.pop(sub.key, None)
 
     async def _wake(self) -> None:
         pipe = self.mux.redis.pipeline(transaction=False)
@@ -84,7 +99,10 @@ class _Lane:
         failures = 0
         while not self.mux.closing:
             self.wake_pending = False
-            streams: dict[Any, Any] = {key: sub.cursor for key, sub in self.streams.items()}
+            streams: dict[Any, Any] = {
+                key: min((sub.cursor for sub in subs), key=_position)
+                for key, subs in self.streams.items()
+            }
             streams[self.wake_key] = self.wake_cursor
             self.blocked = True
             try:
@@ -99,26 +117,41 @@ class _Lane:
                 continue
             finally:
                 self.blocked = False
-            self._deliver(cast(list[tuple[bytes, list[Entry]]], reply or []))
+            self._deliver(cast(list[tuple[bytes, list[Entry]]], reply or []), streams)
 
-    def _deliver(self, reply: list[tuple[bytes, list[Entry]]]) -> None:
+    def _deliver(self, reply: list[tuple[bytes, list[Entry]]], read: dict[Any, Any]) -> None:
+        """Hand each subscription the entries after its cursor. One that joined during the
+        read from an earlier cursor is left for the next read, which starts there."""
         for key, entries in reply:
             if key == self.wake_key:
                 self.wake_cursor = entries[-1][0]
                 continue
-            sub = self.streams.get(key)
-            if sub is None or not entries:
+            subs = self.streams.get(key)
+            if not subs or not entries:
                 continue
-            sub.cursor = entries[-1][0]
-            sub.queue.put_nowait(entries)
-            if entries[-1][1].get(FINAL) == b"1":
-                self.streams.pop(key, None)  # nothing follows a final chunk
+            read_from = _position(read[key])
+            last = entries[-1][0]
+            for sub in subs:
+                after = _position(sub.cursor)
+                if after < read_from:
+                    continue
+                fresh = (
+                    entries
+                    if after == read_from
+                    else [e for e in entries if _position(e[0]) > after]
+                )
+                if fresh:
+                    sub.cursor = last
+                    sub.queue.put_nowait(fresh)
+            if entries[-1][1].get(FINAL) == b"1":  # nothing follows a final chunk
+                self.streams[key] = [sub for sub in subs if sub.cursor != last]
+                if not self.streams[key]:
+                    del self.streams[key]
 
     def _fail(self, exc: BaseException, streams: dict[Any, Any]) -> None:
         """Hand a read's error to every stream that was in it; they raise it."""
         for key in streams:
-            sub = self.streams.pop(key, None)
-            if sub is not None:
+            for sub in self.streams.pop(key, []):
                 sub.queue.put_nowait(exc)
 
 
@@ -160,8 +193,8 @@ class StreamMux:
 
     @property
     def num_streams(self) -> int:
-        """Streams being read now."""
-        return sum(len(lane.streams) for lane in self.lanes)
+        """Subscriptions being served now."""
+        return sum(len(subs) for lane in self.lanes for subs in lane.streams.values())
 
     def _pick_lane(self) -> _Lane:
         if self.lanes:

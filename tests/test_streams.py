@@ -9,7 +9,7 @@ import pytest
 import redis
 
 from producer.client import AsyncClient
-from producer.streams import StreamMux
+from producer.streams import StreamMux, Subscription
 from schemas.codec import encode
 from schemas.keys import Keys
 from schemas.messages import ResultChunk, Usage
@@ -130,3 +130,47 @@ def test_a_stream_with_no_final_chunk_in_time_raises_timeout(redis_url: str) -> 
 async def _collect_with_timeout(client: AsyncClient, request_id: str, timeout_s: float) -> None:
     async for _ in client.stream(request_id, timeout_s=timeout_s):
         pass
+
+
+def test_subscriptions_of_one_stream_each_get_every_entry_after_their_own_cursor(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    keys = Keys()
+    chunks = chunks_of("shared", 30)
+
+    def write(part: list[ResultChunk]) -> list[bytes]:
+        pipe = redis_client.pipeline(transaction=False)
+        for chunk in part:
+            write_chunk(pipe, keys, chunk)
+        return list(pipe.execute())
+
+    async def drain(sub: Subscription) -> list[int]:
+        seqs: list[int] = []
+        while not seqs or seqs[-1] != len(chunks) - 1:
+            seqs += [int(fields[b"seq"]) for _, fields in await sub.get(timeout_s=20)]
+        sub.close()
+        return seqs
+
+    async def main() -> list[list[int]]:
+        client = AsyncClient(redis_url)
+        mux = StreamMux(client.redis, client._reader, keys, max_lanes=1)
+        try:
+            ids = write(chunks[:5])
+            first = mux.subscribe(keys.result("shared"))
+            readers = [asyncio.create_task(drain(first))]
+            for start in range(5, 30, 5):  # others join while the stream grows, one of them
+                await asyncio.sleep(0.05)  # from the start, one after a given entry
+                cursor = b"0-0" if start == 10 else ids[2]
+                readers.append(
+                    asyncio.create_task(drain(mux.subscribe(keys.result("shared"), cursor)))
+                )
+                ids += write(chunks[start : start + 5])
+            return list(await asyncio.gather(*readers))
+        finally:
+            await mux.close()
+            await client.close()
+
+    got = asyncio.run(main())
+    assert got[0] == list(range(30))
+    assert got[2] == list(range(30))  # joined from the start
+    assert all(seqs == list(range(3, 30)) for i, seqs in enumerate(got) if i not in (0, 2))
