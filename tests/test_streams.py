@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import redis
@@ -174,3 +178,22 @@ def test_subscriptions_of_one_stream_each_get_every_entry_after_their_own_cursor
     assert got[0] == list(range(30))
     assert got[2] == list(range(30))  # joined from the start
     assert all(seqs == list(range(3, 30)) for i, seqs in enumerate(got) if i not in (0, 2))
+
+
+def test_ten_thousand_concurrent_streams_from_one_process_complete_in_order_on_48_connections(
+    tmp_path,
+) -> None:
+    out = tmp_path / "many.json"
+    script = Path(__file__).resolve().parent.parent / "bench" / "many_streams.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--streams", "10000", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["complete_in_order"] == 10_000, report["faults"]
+    assert report["chunks"] >= 10_000
+    # AsyncClient's defaults: 32 connections for commands, 16 for the streams' reads.
+    assert 0 < report["max_client_connections"] <= 48
