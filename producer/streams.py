@@ -2,7 +2,7 @@
 
 A `StreamMux` spreads subscriptions over up to `max_lanes` lanes. Each lane is one reader
 task on one connection that loops `XREAD BLOCK ms STREAMS k1 … kn wake id1 … idn wake-id`
-over every stream it serves and hands each stream's entries to that stream's queue. A
+over every stream it serves and hands each stream's entries to that stream's subscription. A
 stream that joins while the lane is blocked wakes it with an XADD to the lane's private
 wake-up stream (also in the XREAD), so it is read at once rather than after the block.
 Keys of one XREAD must share a hash slot on Redis Cluster: give the namespace a hash tag.
@@ -32,27 +32,50 @@ class Subscription:
         self.lane = lane
         self.key = key
         self.cursor = cursor
-        self.queue: asyncio.Queue[list[Entry] | BaseException] = asyncio.Queue()
         self.closed = False
+        self._entries: list[Entry] = []
+        self._error: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put(self, entries: list[Entry] | BaseException) -> None:
+        """Hand over entries read for this stream (or the error that ended the read)."""
+        if isinstance(entries, BaseException):
+            self._error = entries
+        else:
+            self._entries += entries
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     async def get(self, timeout_s: float | None = None) -> list[Entry]:
-        """The next entries (one or more); TimeoutError after `timeout_s` with none."""
-        if timeout_s is None:
-            item = await self.queue.get()
-        else:
+        """Every entry that arrived since the last call (waiting for one if none has);
+        TimeoutError after `timeout_s` with none."""
+        if not self._entries and self._error is None:
+            loop = asyncio.get_running_loop()
+            self._waiter = waiter = loop.create_future()
+            timer = None if timeout_s is None else loop.call_later(timeout_s, _expire, waiter)
             try:
-                item = await asyncio.wait_for(self.queue.get(), max(0.0, timeout_s))
-            except asyncio.TimeoutError:  # a distinct class before Python 3.11
-                raise TimeoutError(f"no entry on {self.key.decode()} in {timeout_s:.1f}s") from None
-        if isinstance(item, BaseException):
-            raise item
-        return item
+                await waiter
+            finally:
+                self._waiter = None
+                if timer is not None:
+                    timer.cancel()
+        if self._entries:  # a backlog goes out at once: one write for several chunks
+            entries, self._entries = self._entries, []
+            return entries
+        if self._error is not None:
+            raise self._error
+        raise TimeoutError(f"no entry on {self.key.decode()} in {timeout_s}s")
 
     def close(self) -> None:
         """Stop reading this stream (idempotent)."""
         if not self.closed:
             self.closed = True
             self.lane.remove(self)
+
+
+def _expire(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 def _position(entry_id: bytes) -> tuple[int, int]:
@@ -76,12 +99,14 @@ class _Lane:
         self.task = asyncio.get_running_loop().create_task(self._run())
 
     def add(self, sub: Subscription) -> None:
+        """Serve `sub` from the next read, waking a read that is blocked now."""
         self.streams.setdefault(sub.key, []).append(sub)
         if self.blocked and not self.wake_pending:
             self.wake_pending = True
             self.mux.spawn(self._wake())
 
     def remove(self, sub: Subscription) -> None:
+        """Stop serving `sub`."""
         subs = self.streams.get(sub.key, [])
         if sub in subs:
             subs.remove(sub)
@@ -142,7 +167,7 @@ class _Lane:
                 )
                 if fresh:
                     sub.cursor = last
-                    sub.queue.put_nowait(fresh)
+                    sub.put(fresh)
             if entries[-1][1].get(FINAL) == b"1":  # nothing follows a final chunk
                 self.streams[key] = [sub for sub in subs if sub.cursor != last]
                 if not self.streams[key]:
@@ -152,7 +177,7 @@ class _Lane:
         """Hand a read's error to every stream that was in it; they raise it."""
         for key in streams:
             for sub in self.streams.pop(key, []):
-                sub.queue.put_nowait(exc)
+                sub.put(exc)
 
 
 class StreamMux:

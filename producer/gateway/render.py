@@ -43,6 +43,7 @@ class Renderer:
 
     @property
     def object_name(self) -> str:
+        """OpenAI's `object` of a whole answer of this kind."""
         return "text_completion" if self.kind == "completion" else "chat.completion"
 
     def _head(self, chunked: bool) -> dict[str, Any]:

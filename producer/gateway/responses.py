@@ -62,6 +62,7 @@ class WatchedResponse:
     """Runs `respond` while watching for the client to leave; then `cleanup(client_left)`."""
 
     async def respond(self, send: Send) -> None:
+        """Send the whole answer."""
         raise NotImplementedError
 
     async def cleanup(self, client_left: bool) -> None:
