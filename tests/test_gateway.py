@@ -4,6 +4,9 @@ streamed, for completions and chat, sync and async; request ids; the models list
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 
 import openai
 
@@ -141,3 +144,33 @@ def test_async_openai_client_streams_concurrent_requests_each_as_the_pool_answer
             )
 
     assert asyncio.run(main()) == expected
+
+
+def test_bench_http_measures_the_gateway_and_another_openai_server_with_one_client(
+    start_pool: StartPool, start_gateway: StartGateway, tmp_path
+) -> None:
+    start_pool(ranks=1)
+    other = start_gateway()  # stands in for another OpenAI-compatible server
+    out = tmp_path / "bench.json"
+    flags = ["--concurrency", "2", "--requests", "4", "--output-len", "3", "6"]
+    flags += ["--prompt-len", "3", "7", "--no-peers", "--device", "cpu", "--json", str(out)]
+    done = subprocess.run(
+        [sys.executable, "-m", "schemas.cli", "bench", "--http", "--http-url", other.url + "/v1"]
+        + flags,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    (level,) = json.loads(out.read_text())["levels"]
+    # The same seeded workload with EOS ignored: every client gets every token.
+    assert level["gateway"]["output_tokens"] == level["output_tokens"]
+    assert level["http_peer"]["output_tokens"] == level["output_tokens"]
+    assert level["gateway"]["requests"] == level["http_peer"]["requests"] == 4
+    assert set(level["gateway_overhead"]) == {
+        "ttft_p50_ms",
+        "itl_p50_ms",
+        "e2e_p50_ms",
+        "throughput_ratio",
+    }
+    assert "gateway adds TTFT" in done.stdout
