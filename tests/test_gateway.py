@@ -62,6 +62,20 @@ def test_openai_client_gets_the_pools_greedy_completions_whole_and_streamed(
     )
     assert whole_ids.choices[0].text == by_ids.text
 
+    rid = client.submit(PROMPT, max_tokens=6, logprobs=2)
+    pool_logprobs = [e for c in client.stream(rid, timeout_s=30) for e in c.logprobs or []]
+    scored = api.completions.create(
+        model=model, prompt=PROMPT, max_tokens=6, logprobs=2, temperature=0
+    )
+    assert scored.choices[0].logprobs is not None
+    logprobs = scored.choices[0].logprobs
+    assert logprobs.token_logprobs == [e["logprob"] for e in pool_logprobs]
+    assert logprobs.top_logprobs is not None and logprobs.tokens is not None
+    assert [sorted(top.values()) for top in logprobs.top_logprobs] == [
+        sorted(lp for _, lp in e["top"]) for e in pool_logprobs
+    ]
+    assert len(logprobs.tokens) == 6 and all(isinstance(t, str) for t in logprobs.tokens)
+
 
 def test_openai_client_gets_the_pools_chat_replies_whole_and_streamed(
     start_pool: StartPool, start_gateway: StartGateway, client: Client
@@ -87,6 +101,17 @@ def test_openai_client_gets_the_pools_chat_replies_whole_and_streamed(
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
     assert chunks[-1].choices[0].finish_reason == expected.finish_reason
     assert {c.id for c in chunks} == {chunks[0].id}
+
+    scored = api.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3
+    )
+    assert scored.choices[0].logprobs is not None
+    content = scored.choices[0].logprobs.content or []
+    assert scored.usage is not None and len(content) == scored.usage.completion_tokens
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob >= entry.logprob  # the top one is the likeliest
+        assert entry.bytes == list(entry.token.encode())
 
 
 def test_a_client_chosen_request_id_names_the_request_in_the_pool(
