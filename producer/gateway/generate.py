@@ -27,7 +27,7 @@ async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
     declared = int(request.headers.get("content-length") or 0)
     if declared > max_bytes:
         raise ApiError(413, f"request body is {declared} bytes, over the limit of {max_bytes}")
-    body = b""
+    body = bytearray()
     async for part in request.stream():
         body += part
         if len(body) > max_bytes:
