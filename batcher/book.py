@@ -14,7 +14,7 @@ import redis
 from tokenizers import Tokenizer
 
 from batcher.chat import ChatTemplate
-from batcher.durability import Delivery
+from batcher.durability import Delivery, count_delivery
 from batcher.intake import (
     ModelFacts,
     Tracked,
@@ -22,17 +22,18 @@ from batcher.intake import (
     make_sequence,
     parse_entry,
     reject,
+    rejection_chunk,
     settle,
     write_dead_letter,
 )
 from batcher.metrics import BatcherMetrics
 from batcher.scheduler import PoolState, finish, stop
-from schemas.codec import DeadLetter, Rejected
+from schemas.codec import DeadLetter, Rejected, request_id_of
 from schemas.config import Settings
 from schemas.control import SlotStop, StepResult
 from schemas.keys import FIELD, Keys
-from schemas.messages import FinishReason
-from schemas.results import ResultWriter, read_published
+from schemas.messages import ErrorInfo, FinishReason
+from schemas.results import ALREADY_FINAL, APPENDED, ResultWriter, read_published
 
 log = logging.getLogger("npu_pool.batcher")
 
@@ -62,6 +63,7 @@ class RequestBook:
         self.tokenizer: Tokenizer | None = None
         self.chat: ChatTemplate | None = None
         self.facts = ModelFacts(vocab_size=0, max_model_len=settings.max_model_len)
+        self.limits: dict[str, int] = {"max_queue": settings.max_queue}
 
     def accept(self, deliveries: list[Delivery], resume: bool) -> None:
         """Validate entries, settle or end the ones that need no rank, track the rest."""
@@ -70,17 +72,7 @@ class RequestBook:
         fresh: list[Tracked] = []
         for d in deliveries:
             if d.fields is None:  # deleted since it was read: already settled
-                settle(pipe, self.keys, d.entry_id)
-                continue
-            if d.times_delivered > self.settings.max_deliveries:
-                write_dead_letter(
-                    pipe,
-                    self.keys,
-                    d.entry_id,
-                    d.fields,
-                    f"delivered {d.times_delivered} times without finishing",
-                )
-                self.stats["dead"] += 1
+                settle(pipe, d.stream, d.entry_id)
                 continue
             try:
                 request, prompt_ids = parse_entry(
@@ -91,33 +83,39 @@ class RequestBook:
                     self.chat,
                 )
             except DeadLetter as exc:
-                write_dead_letter(pipe, self.keys, d.entry_id, d.fields, str(exc))
+                write_dead_letter(pipe, self.keys, d.stream, d.entry_id, d.fields, str(exc))
                 self.stats["dead"] += 1
                 log.warning("dead letter %s: %s", d.entry_id, exc)
                 continue
             except Rejected as exc:
-                reject(pipe, self.writer, self.keys, d.entry_id, exc, self.settings.result_ttl_s)
+                reject(pipe, self.writer, d.stream, d.entry_id, exc, self.settings.result_ttl_s)
                 self.stats["rejected"] += 1
                 continue
             if request.id in self.tracked:
-                write_dead_letter(
-                    pipe,
-                    self.keys,
-                    d.entry_id,
-                    d.fields,
-                    f"field `id`: {request.id!r} duplicates a request in progress",
-                )
+                reason = f"field `id`: {request.id!r} duplicates a request in progress"
+                write_dead_letter(pipe, self.keys, d.stream, d.entry_id, d.fields, reason)
                 self.stats["dead"] += 1
                 continue
             self.order += 1
-            tracked = Tracked(d.entry_id, request, prompt_ids)
+            payload = d.fields.get(FIELD.encode(), b"")
+            tracked = Tracked(
+                d.entry_id, d.stream, request, prompt_ids, d.times_delivered, payload=payload
+            )
             self.tracked[request.id] = tracked
             fresh.append(tracked)
         pipe.execute()
         self.enqueue(fresh, resume)
 
-    def requeue(self, lost: list[Tracked]) -> None:
-        """Requests whose rank was lost (or lost them) re-enter after what they published."""
+    def requeue(self, lost: list[Tracked], rank_died: bool = False) -> None:
+        """Requests whose rank was lost (or lost them, or gave them back) re-enter after what
+        they published; a rank that died counts a delivery, in Redis too."""
+        if rank_died and lost:
+            pipe = self.redis.pipeline(transaction=False)
+            for tracked in lost:
+                tracked.times_delivered += 1
+                tracked.rank_deaths += 1
+                count_delivery(pipe, self.settings.pool, tracked.stream, tracked.entry_id)
+            pipe.execute()
         self.stats["recovered"] += len(lost)
         self.enqueue(lost, resume=True)
 
@@ -137,23 +135,50 @@ class RequestBook:
                     self.forget(tracked, pipe)
                     continue
                 tracked.resumed_ids, tracked.start_seq = found.token_ids, found.next_seq
-            deadline = tracked.request.deadline_ms
-            if cancel_score is not None and tracked.stop_reason is None:
-                tracked.stop_reason = FinishReason.CANCELLED
-            elif deadline is not None and deadline <= now_ms and tracked.stop_reason is None:
-                tracked.stop_reason = FinishReason.TIMEOUT
             order = tracked.seq.order if tracked.seq is not None else self.order
-            tracked.seq = make_sequence(tracked, order, self.settings.max_model_len)
+            tracked.seq = make_sequence(
+                tracked, order, self.settings.max_model_len, self.settings.priority_aging_s
+            )
             tracked.admission += 1
-            reason = tracked.stop_reason
-            if reason is None and tracked.seq.max_new_tokens <= 0:
-                reason = FinishReason.LENGTH
+            reason, error = self._end_now(tracked, cancel_score is not None, now_ms)
             if reason is not None:
-                end_by_batcher(pipe, self.writer, tracked, reason, self.settings.result_ttl_s)
+                end_by_batcher(
+                    pipe, self.writer, tracked, reason, self.settings.result_ttl_s, error
+                )
+                if error is not None and error.code == "max_deliveries":
+                    fields = {FIELD.encode(): tracked.payload}
+                    write_dead_letter(
+                        pipe, self.keys, tracked.stream, tracked.entry_id, fields, error.message
+                    )
+                    self.stats["dead"] += 1
                 self.forget(tracked, pipe)
                 continue
             self.state.waiting.append(tracked.seq)
         pipe.execute()
+
+    def _end_now(
+        self, tracked: Tracked, cancelled: bool, now_ms: float
+    ) -> tuple[FinishReason | None, ErrorInfo | None]:
+        """Why a request about to wait must end instead, if it must."""
+        deadline = tracked.request.deadline_ms
+        if tracked.stop_reason is None:
+            if cancelled:
+                tracked.stop_reason = FinishReason.CANCELLED
+            elif deadline is not None and deadline <= now_ms:
+                tracked.stop_reason = FinishReason.TIMEOUT
+        if tracked.stop_reason is not None:
+            return tracked.stop_reason, None
+        limit = self.settings.max_deliveries
+        if tracked.times_delivered > limit:
+            message = (
+                f"delivered {tracked.times_delivered} times without finishing "
+                f"(max_deliveries={limit}): the rank or batcher serving it died each time"
+            )
+            return FinishReason.ERROR, ErrorInfo(code="max_deliveries", message=message)
+        assert tracked.seq is not None
+        if tracked.seq.max_new_tokens <= 0:
+            return FinishReason.LENGTH, None
+        return None, None
 
     def forget(self, tracked: Tracked, pipe: redis.client.Pipeline) -> None:
         """Drop a request whose final chunk is written, and settle its entry."""
@@ -161,7 +186,7 @@ class RequestBook:
         self.tracked.pop(tracked.request_id, None)
         if self.metrics is not None:
             self.metrics.forget(tracked.request_id)
-        settle(pipe, self.keys, tracked.entry_id)
+        settle(pipe, tracked.stream, tracked.entry_id)
         self.stats["finished"] += 1
 
     def stop(self, request_id: str, reason: FinishReason) -> None:
@@ -173,7 +198,12 @@ class RequestBook:
         seq = stop(self.state, request_id)
         if seq is not None:
             self.pending_stops.setdefault(seq.rank, []).append(
-                SlotStop(slot=seq.slot, request_id=request_id, finish_reason=reason.value)
+                SlotStop(
+                    slot=seq.slot,
+                    request_id=request_id,
+                    finish_reason=reason.value,
+                    admission=tracked.admission,
+                )
             )
             return
         pipe = self.redis.pipeline(transaction=False)
@@ -195,6 +225,7 @@ class RequestBook:
     def apply(self, result: StepResult, pipe: redis.client.Pipeline) -> None:
         """Count a rank's tokens, settle what finished, resume what it lost."""
         lost: list[Tracked] = []
+        released: list[Tracked] = []
         for outcome in result.outcomes:
             tracked = self.tracked.get(outcome.request_id)
             if (
@@ -208,9 +239,35 @@ class RequestBook:
                 self.metrics.tokens(tracked, outcome.num_new_tokens)
             tracked.num_published += outcome.num_new_tokens
             self.stats["tokens"] += outcome.num_new_tokens
-            if outcome.lost:
-                finish(self.state, outcome.request_id)
-                lost.append(tracked)
+            if outcome.lost or outcome.released:
+                seq = finish(self.state, outcome.request_id)
+                (released if outcome.released else lost).append(tracked)
+                self.stats["preempted"] += int(seq is not None and seq.preempting)
             elif outcome.finish_reason is not None:
                 self.forget(tracked, pipe)
-        self.requeue(lost)
+        self.requeue(lost + released)
+
+    def reject_excess(self, excess: list[Delivery]) -> None:
+        """End entries past the namespace's bound (they bypassed admission) `queue_full`."""
+        if not excess:
+            return
+        ended: list[Delivery] = []
+        appends = self.redis.pipeline(transaction=False)
+        for d in excess:
+            request_id = request_id_of((d.fields or {}).get(FIELD.encode()))
+            if request_id is not None:
+                message = f"the queue was over max_queue={self.limits['max_queue']} when it came"
+                chunk = rejection_chunk(Rejected(request_id, "queue_full", message))
+                self.writer.append(appends, chunk, self.settings.result_ttl_s)
+                ended.append(d)
+        replies = appends.execute()
+        pipe = self.redis.pipeline(transaction=False)
+        for d, reply in zip(ended, replies):
+            if reply in (APPENDED, ALREADY_FINAL):  # else a rank serves it already: keep it
+                settle(pipe, d.stream, d.entry_id)
+                self.stats["rejected"] += 1
+        for d in excess:
+            if d not in ended:  # no usable id: nobody can wait for it
+                write_dead_letter(pipe, self.keys, d.stream, d.entry_id, d.fields, "no usable `id`")
+                self.stats["dead"] += 1
+        pipe.execute()

@@ -9,11 +9,16 @@ import redis
 from tokenizers import Tokenizer
 
 from batcher.chat import ChatTemplate, ChatTemplateError
+from batcher.queue import arrival_ms, urgency
 from batcher.scheduler import Sequence
 from schemas.codec import DeadLetter, Rejected, decode_request
 from schemas.keys import FIELD, GROUP, Keys
 from schemas.messages import ErrorInfo, FinishReason, GenerateRequest, ResultChunk, Usage
 from schemas.results import ResultWriter
+
+# A request that was on this many ranks when they died runs alone on a rank from then on,
+# so a request that kills its rank charges its next death to itself, not to its neighbours.
+SUSPECT_AFTER_DEATHS = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,8 +38,12 @@ class Tracked:
     """
 
     entry_id: bytes
+    stream: str  # the request stream (priority class) the entry is on
     request: GenerateRequest
     prompt_ids: list[int]
+    times_delivered: int = 1  # deliveries so far: reads, claims and lost ranks
+    rank_deaths: int = 0  # ranks that died holding it, in this batcher's time
+    payload: bytes = b""  # the entry's field `m`, for a dead letter
     seq: Sequence | None = None
     resumed_ids: list[int] = field(default_factory=list)
     start_seq: int = 0
@@ -72,6 +81,7 @@ def parse_entry(
                 "invalid_request",
                 f"field `prompt_token_ids`: token id {bad[0]} is outside the "
                 f"vocabulary of {facts.vocab_size}",
+                len(prompt_ids),
             )
     elif request.messages is not None:
         prompt_ids = _render_chat(request, tokenizer, chat)
@@ -84,6 +94,7 @@ def parse_entry(
             "prompt_too_long",
             f"field `prompt`: {len(prompt_ids)} tokens leave no room for a completion "
             f"within max_model_len={limit}",
+            len(prompt_ids),
         )
     if request.sampling.max_tokens > limit:
         raise Rejected(
@@ -91,6 +102,7 @@ def parse_entry(
             "invalid_request",
             f"field `sampling.max_tokens`: {request.sampling.max_tokens} exceeds "
             f"max_model_len={limit}",
+            len(prompt_ids),
         )
     return request, prompt_ids
 
@@ -112,19 +124,23 @@ def _render_chat(
     return tokenizer.encode(text, add_special_tokens=False).ids
 
 
-def make_sequence(tracked: Tracked, order: int, max_model_len: int) -> Sequence:
+def make_sequence(tracked: Tracked, order: int, max_model_len: int, aging_s: float) -> Sequence:
     """The planner's view of a request, resuming after any tokens already published."""
     request = tracked.request
     num_context = len(tracked.prompt_ids) + len(tracked.resumed_ids)
     max_new = min(
         request.sampling.max_tokens - len(tracked.resumed_ids), max_model_len - num_context
     )
-    return Sequence(request.id, num_context, max_new, order, request.priority)
+    rank_by = urgency(request.priority, arrival_ms(tracked.entry_id), aging_s * 1000)
+    seq = Sequence(request.id, num_context, max_new, order, rank_by)
+    seq.isolated = tracked.rank_deaths >= SUSPECT_AFTER_DEATHS
+    return seq
 
 
 def write_dead_letter(
     pipe: redis.client.Pipeline,
     keys: Keys,
+    stream: str,
     entry_id: bytes,
     fields: dict[bytes, bytes] | None,
     reason: str,
@@ -142,13 +158,13 @@ def write_dead_letter(
         maxlen=100_000,
         approximate=True,
     )
-    settle(pipe, keys, entry_id)
+    settle(pipe, stream, entry_id)
 
 
-def settle(pipe: redis.client.Pipeline, keys: Keys, entry_id: bytes) -> None:
+def settle(pipe: redis.client.Pipeline, stream: str, entry_id: bytes) -> None:
     """Acknowledge and delete a request entry whose final chunk is written."""
-    pipe.xack(keys.requests, GROUP, entry_id)
-    pipe.xdel(keys.requests, entry_id)
+    pipe.xack(stream, GROUP, entry_id)
+    pipe.xdel(stream, entry_id)
 
 
 def end_by_batcher(
@@ -175,18 +191,23 @@ def end_by_batcher(
 def reject(
     pipe: redis.client.Pipeline,
     writer: ResultWriter,
-    keys: Keys,
+    stream: str,
     entry_id: bytes,
     exc: Rejected,
     ttl_s: int,
 ) -> None:
     """Answer a parsable but bad entry with a final `rejected` chunk and drop the entry."""
-    chunk = ResultChunk(
+    writer.append(pipe, rejection_chunk(exc), ttl_s)
+    settle(pipe, stream, entry_id)
+
+
+def rejection_chunk(exc: Rejected) -> ResultChunk:
+    """The one chunk of a rejected request's stream."""
+    return ResultChunk(
         id=exc.request_id,
         seq=0,
         index=0,
         finish_reason=FinishReason.REJECTED,
         error=ErrorInfo(code=exc.code, message=exc.message),
+        usage=Usage(prompt_tokens=exc.prompt_tokens, completion_tokens=0),
     )
-    writer.append(pipe, chunk, ttl_s)
-    settle(pipe, keys, entry_id)

@@ -20,6 +20,7 @@ class PlannerConfig:
     prefill_chunk: int
     prefill_slots: int
     lockstep: bool = False
+    preempt_margin: float | None = None  # None: never preempt
 
     def __post_init__(self) -> None:
         for name in (
@@ -32,6 +33,8 @@ class PlannerConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.preempt_margin is not None and not self.preempt_margin >= 0:
+            raise ValueError(f"preempt_margin must be >= 0 or None, got {self.preempt_margin}")
 
 
 @dataclass(slots=True)
@@ -42,12 +45,14 @@ class Sequence:
     num_prompt_tokens: int  # tokens to prefill: the prompt plus any tokens resumed after recovery
     max_new_tokens: int  # tokens this run may still produce
     order: int  # arrival order, for FIFO fairness
-    priority: int = 0
+    urgency: float = 0.0  # effective-priority order, higher first (see batcher/queue.py)
     rank: int = -1
     slot: int = -1
     num_prefilled: int = 0
     num_planned_tokens: int = 0  # tokens the planned steps will have produced, at most
-    stopping: bool = False  # cancelled or timed out: plan nothing more for it
+    stopping: bool = False  # cancelled, timed out or preempted: plan nothing more for it
+    preempting: bool = False  # its rank is told to give its slot back to a more urgent one
+    isolated: bool = False  # a suspect (ranks died holding it): it runs alone on a rank
 
     @property
     def is_admitted(self) -> bool:
@@ -89,6 +94,7 @@ class StepPlan:
     """A whole pool's step: launch k of `decode_launches` maps rank -> its rows' slots."""
 
     admitted: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
     decode_launches: list[dict[int, list[Sequence]]] = field(default_factory=list)
     prefill: dict[int, list[PrefillWork]] = field(default_factory=dict)
 
@@ -133,8 +139,9 @@ class PoolState:
 
 
 def plan_step(state: PoolState) -> StepPlan:
-    """Admit what fits, then plan decode for every prefilled request, then prefill chunks."""
-    plan = StepPlan(admitted=_admit(state))
+    """Admit what fits (preempting for much more urgent requests), then plan decode for every
+    prefilled request, then prefill chunks."""
+    plan = StepPlan(admitted=_admit(state), preempted=_preempt(state))
     by_rank: dict[int, list[Sequence]] = {r: [] for r in sorted(state.ranks)}
     for seq in state.running.values():
         if seq.rank in by_rank:
@@ -184,10 +191,13 @@ def join_rank(state: PoolState, rank: int) -> None:
 
 def _admit(state: PoolState) -> list[Sequence]:
     admitted: list[Sequence] = []
-    state.waiting.sort(key=lambda s: (-s.priority, s.order))
+    state.waiting.sort(key=lambda s: (-s.urgency, s.order))
     while state.waiting and state.room() > 0:
-        seq = state.waiting.pop(0)
-        rank = _pick_rank(state)
+        seq = state.waiting[0]
+        rank = _pick_rank(state, seq.isolated)
+        if rank is None:  # an isolated request waits for a rank to empty; the queue with it
+            break
+        state.waiting.pop(0)
         seq.rank = rank
         seq.slot = state.free_slots[rank].pop(0)
         state.running[seq.request_id] = seq
@@ -195,9 +205,41 @@ def _admit(state: PoolState) -> list[Sequence]:
     return admitted
 
 
-def _pick_rank(state: PoolState) -> int:
-    """The live rank with the most free slots; ties go round-robin."""
-    ranks = sorted(state.ranks)
+def _preempt(state: PoolState) -> list[Sequence]:
+    """With no room left, the least urgent running requests whose urgency a waiting one
+    exceeds by the margin give their slots back (one per waiting request)."""
+    margin = state.config.preempt_margin
+    if margin is None or not state.waiting:
+        return []
+    running = state.running.values()
+    pending = sum(1 for s in running if s.preempting)
+    victims = sorted(
+        (s for s in running if not s.stopping and s.rank in state.ranks),
+        key=lambda s: (s.urgency, -s.order),
+    )
+    preempted: list[Sequence] = []
+    for head, victim in zip(state.waiting[pending:], victims):
+        if head.urgency <= victim.urgency + margin:
+            break
+        victim.stopping = victim.preempting = True
+        preempted.append(victim)
+    return preempted
+
+
+def _pick_rank(state: PoolState, isolated: bool) -> int | None:
+    """The live rank with the most free slots, ties round-robin; never a rank that runs an
+    isolated request, and for an isolated request only an empty rank (None: no such rank)."""
+    hosts = {s.rank for s in state.running.values() if s.isolated}
+    full = state.config.kv_slots_per_rank
+    ranks = [
+        r
+        for r in sorted(state.ranks)
+        if state.free_slots[r]
+        and r not in hosts
+        and (not isolated or len(state.free_slots[r]) == full)
+    ]
+    if not ranks:
+        return None
     most = max(len(state.free_slots[r]) for r in ranks)
     tied = [r for r in ranks if len(state.free_slots[r]) == most]
     chosen = next((r for r in tied if r >= state.next_rank), tied[0])
@@ -233,7 +275,7 @@ def _plan_prefill(
     """Up to `prefill_slots` chunks per rank, oldest request first."""
     prefill: dict[int, list[PrefillWork]] = {}
     for rank, seqs in by_rank.items():
-        pending = sorted((s for s in seqs if s.wants_prefill), key=lambda s: s.order)
+        pending = sorted((s for s in seqs if s.wants_prefill), key=lambda s: (-s.urgency, s.order))
         chunks = []
         for seq in pending[: config.prefill_slots]:
             num_tokens = min(config.prefill_chunk, seq.num_prompt_tokens - seq.num_prefilled)

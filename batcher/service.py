@@ -26,16 +26,19 @@ from batcher.book import RequestBook
 from batcher.chat import ChatTemplate
 from batcher.dispatch import rank_plans
 from batcher.durability import (
-    Delivery,
     claim_orphans,
     claim_own_pending,
+    ensure_groups,
     keep_alive,
+    live_pools,
     orphaned_pools,
 )
 from batcher.intake import (
     ModelFacts,
 )
+from batcher.limits import publish_limits, withdraw_limits
 from batcher.metrics import BatcherMetrics
+from batcher.queue import QueueReader
 from batcher.ranks import RankRegistry
 from batcher.scheduler import (
     PlannerConfig,
@@ -47,9 +50,9 @@ from batcher.scheduler import (
 )
 from schemas.codec import CodecError, decode, encode
 from schemas.config import Settings, add_settings_flags, settings_from_args
-from schemas.connection import connect, last_entry_id, stream_entries
-from schemas.control import RankStepPlan, StepResult
-from schemas.keys import FIELD, GROUP, PLAN_STREAM_MAXLEN, Keys
+from schemas.connection import connect, last_entry_id
+from schemas.control import PREEMPTED, RankStepPlan, SlotStop, StepResult
+from schemas.keys import FIELD, PLAN_STREAM_MAXLEN, Keys
 from schemas.messages import FinishReason
 from schemas.metrics import serve_metrics
 
@@ -81,6 +84,7 @@ class Batcher:
             "recovered": 0,
             "claimed": 0,
             "admitted": 0,
+            "preempted": 0,
         }
         self.queue_depth = 0
         self.dispatched_at: dict[int, float] = {}
@@ -113,11 +117,13 @@ class Batcher:
                 prefill_chunk=s.prefill_chunk,
                 prefill_slots=s.prefill_slots,
                 lockstep=s.lockstep,
+                preempt_margin=s.preempt_margin if s.preemption else None,
             ),
             live_ranks=set(),
         )
         self.registry = RankRegistry(self.redis, self.keys, self.pool, s.ranks, s.rank_timeout_s)
         self.book = RequestBook(self.redis, self.keys, s, self.state, self.stats, self.metrics)
+        self.queue = QueueReader(self.redis, self.keys, self.pool, s.priority_aging_s)
         self.inflight: dict[int, set[int]] = {}
         self.epoch = 0
         self.step = 0
@@ -153,6 +159,7 @@ class Batcher:
         with contextlib.suppress(redis.RedisError):
             self.redis.delete(self.keys.lease(self.pool))
             self._set_state("stopped")
+            withdraw_limits(self.redis, self.keys, self.pool, live_pools(self.redis, self.keys))
         self.redis.close()
 
     def request_stop(self, *_: object) -> None:
@@ -170,7 +177,7 @@ class Batcher:
             self._intake(block_ms=0 if busy else 100)
         while len(self.inflight) < self.settings.max_inflight_steps:
             plan = plan_step(self.state)
-            if plan.is_empty and not self.book.pending_stops:
+            if plan.is_empty and not plan.preempted and not self.book.pending_stops:
                 break
             self._dispatch(plan)
         if self.inflight:
@@ -191,8 +198,8 @@ class Batcher:
     def _start_epoch(self) -> None:
         """Register, wait for ranks, fence them, and resume every entry this pool holds."""
         self._reset()
-        with contextlib.suppress(redis.ResponseError):  # BUSYGROUP: it exists already
-            self.redis.xgroup_create(self.keys.requests, GROUP, id="0", mkstream=True)
+        ensure_groups(self.redis, self.keys)
+        self._publish_limits()
         pool_key = self.keys.pool(self.pool)
         self.epoch = int(self.redis.hincrby(pool_key, "epoch", 1))
         self.results_cursor = last_entry_id(self.redis, self.keys.step_results(self.pool))
@@ -265,14 +272,19 @@ class Batcher:
                 waiting.discard(rank)
             self.inflight = {s: w for s, w in self.inflight.items() if w}
             lost = lose_rank(self.state, rank)
-            self.book.requeue([self.book.tracked[s.request_id] for s in lost])
+            self.book.requeue([self.book.tracked[s.request_id] for s in lost], rank_died=True)
         for rank in changes.joined:
             log.info("rank %d joined (%s)", rank, self.registry.incarnation(rank))
             join_rank(self.state, rank)
 
+    def _publish_limits(self) -> None:
+        live = live_pools(self.redis, self.keys)
+        limits = publish_limits(self.redis, self.keys, self.pool, self.settings, live)
+        self.book.limits = limits
+
     def _housekeeping(self) -> None:
         self._poll_ranks()
-        self.queue_depth = int(self.redis.xlen(self.keys.requests))
+        self._publish_limits()
         day_ago_ms = int(time.time() * 1000) - 86_400_000
         self.redis.zremrangebyscore(self.keys.cancelled, 0, day_ago_ms)
         keep_alive(
@@ -281,7 +293,7 @@ class Batcher:
             self.pool,
             self.instance,
             self.lease_ms,
-            [t.entry_id for t in self.book.tracked.values()],
+            [(t.stream, t.entry_id) for t in self.book.tracked.values()],
         )
         room = self.state.room() - len(self.state.waiting)
         if room > 0 and not self.stopping and orphaned_pools(self.redis, self.keys, self.pool):
@@ -304,18 +316,22 @@ class Batcher:
     # -- intake ---------------------------------------------------------------------------
 
     def _intake(self, block_ms: int) -> None:
-        """Read as many new entries as could be admitted."""
+        """Take the most urgent entries that could be admitted (and, with every slot taken,
+        one that would preempt), end entries past the bound; wait a little when idle."""
         wanted = self.state.room() - len(self.state.waiting)
-        if wanted <= 0:
-            if block_ms:
-                time.sleep(block_ms / 1000)
-            return
-        reply = self.redis.xreadgroup(
-            GROUP, self.pool, {self.keys.requests: ">"}, count=wanted, block=block_ms or None
-        )
-        entries = stream_entries(reply)
-        if entries:
-            self.book.accept([Delivery(i, f, 1) for i, f in entries], resume=False)
+        threshold, extra = float("inf"), 0
+        margin = self.state.config.preempt_margin
+        running = [s for s in self.state.running.values() if not s.stopping]
+        if wanted <= 0 and margin is not None and running and not self.state.waiting:
+            threshold, extra = min(s.urgency for s in running) + margin, 1
+        reply = self.queue.read(max(0, wanted), self.book.limits["max_queue"], threshold, extra)
+        self.queue_depth = reply.depth
+        self.book.reject_excess(reply.excess)
+        if reply.deliveries:
+            self.book.accept(reply.deliveries, resume=False)
+        elif block_ms and not reply.excess:
+            streams: dict[Any, Any] = {stream: "$" for stream in self.keys.request_streams}
+            self.redis.xread(streams, count=1, block=block_ms)
 
     # -- steps ----------------------------------------------------------------------------
 
@@ -328,6 +344,15 @@ class Batcher:
             self.metrics.admitted(plan.admitted, self.book.tracked)
         by_rank = {p.rank: p for p in plans}
         fence = plan.is_empty and not plan.admitted
+        for seq in plan.preempted:
+            self.book.pending_stops.setdefault(seq.rank, []).append(
+                SlotStop(
+                    slot=seq.slot,
+                    request_id=seq.request_id,
+                    finish_reason=PREEMPTED,
+                    admission=self.book.tracked[seq.request_id].admission,
+                )
+            )
         for rank in sorted(self.state.ranks):
             stops = self.book.pending_stops.pop(rank, [])
             if rank in by_rank or stops or fence:

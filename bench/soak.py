@@ -1,4 +1,5 @@
-"""Soak: thousands of requests with random cancels and a worker kill every minute.
+"""Soak: thousands of requests of mixed priorities with random cancels and a worker kill
+every minute.
 
 Reports requests submitted, completed, cancelled, lost (must be 0) and duplicated tokens
 (must be 0), after checking every result stream's chunks; and memory: each worker's RSS
@@ -22,6 +23,7 @@ from pathlib import Path
 from producer.client import Client
 from producer.embedded import EmbeddedRedis
 from producer.launcher import PoolProcesses
+from producer.status import pool_status, queue_depths
 from schemas.codec import decode
 from schemas.config import Settings
 from schemas.keys import Keys
@@ -61,6 +63,11 @@ def audit(client: Client, request_ids: list[str]) -> dict[str, int]:
     return counts
 
 
+def outstanding(client: Client) -> int:
+    """Requests queued or running, over every priority class."""
+    return sum(depth for depth, _ in queue_depths(client.redis, client.keys).values())
+
+
 def _worker_rss(processes: PoolProcesses) -> dict[str, int]:
     """Resident memory of each live worker process, in MiB (from /proc)."""
     rss = {}
@@ -87,6 +94,13 @@ def main() -> None:
     parser.add_argument("--kill-every", type=float, default=60.0, help="seconds between kills")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--result-ttl", type=int, default=3600, help="result stream TTL, s")
+    parser.add_argument(
+        "--priorities",
+        type=int,
+        nargs="+",
+        default=[-3, 0, 0, 0, 0, 2, 9],
+        help="each request's priority is drawn from these",
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     rng = random.Random(args.seed)
@@ -131,7 +145,7 @@ def main() -> None:
     keys = Keys()
     try:
         while len(ids) < args.requests:
-            if client.redis.xlen(keys.requests) >= args.concurrency:
+            if outstanding(client) >= args.concurrency:
                 time.sleep(0.01)
                 continue
             length = rng.randrange(1, 300)
@@ -139,6 +153,7 @@ def main() -> None:
                 client.submit(
                     prompt_token_ids=[rng.randrange(2, 500) for _ in range(length)],
                     max_tokens=rng.randrange(8, 96),
+                    priority=rng.choice(args.priorities),
                 )
             )
             if len(ids) == 500:  # warmed up: every launch shape and allocator pool used
@@ -147,7 +162,7 @@ def main() -> None:
                 client.cancel(rng.choice(ids[-50:]))
                 cancels += 1
         deadline = time.monotonic() + 600
-        while client.redis.xlen(keys.requests) and time.monotonic() < deadline:
+        while outstanding(client) and time.monotonic() < deadline:
             time.sleep(0.5)
         elapsed = time.monotonic() - started
         rss_end = _worker_rss(processes)
@@ -164,6 +179,7 @@ def main() -> None:
             "submitted": len(ids),
             "cancels_sent": cancels,
             "worker_kills": len(kills),
+            "preempted": pool_status(client.redis, keys, settings.pool, 0)["preempted"],
             "seconds": round(elapsed, 1),
             **counts,
             "worker_rss_mb_after_warmup": rss_start,

@@ -8,18 +8,19 @@ import torch
 
 
 def resolve_device(name: str) -> torch.device:
-    """`auto` picks npu, then cuda, then cpu; an unavailable explicit choice is an error."""
+    """`auto` picks npu, then cuda, then cpu; an unavailable explicit choice is a ValueError
+    (a configuration a restart cannot fix)."""
     if name in ("auto", "npu") and _npu_available():
         return torch.device("npu")
     if name == "npu":
-        raise RuntimeError(
+        raise ValueError(
             "device npu requested but torch_npu is not installed or sees no NPU "
             "(install the `npu` extra: pip install 'npu-pool[npu]')"
         )
     if name in ("auto", "cuda") and torch.cuda.is_available():
         return torch.device("cuda")
     if name == "cuda":
-        raise RuntimeError("device cuda requested but torch sees no CUDA device")
+        raise ValueError("device cuda requested but torch sees no CUDA device")
     return torch.device("cpu")
 
 

@@ -8,6 +8,7 @@ applies stop conditions and returns the chunks to publish and the step result.
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,12 +17,14 @@ import torch
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from npu_worker.mtp import accept_drafts
+from npu_worker.mtp import Acceptance, accept_drafts
 from npu_worker.runner import LaunchRunner
 from npu_worker.sampler import SamplingRows, sample, sampling_rows, token_logprobs
 from npu_worker.stops import StopStrings
-from schemas.control import NewRequest, RankStepPlan, RequestOutcome, StepResult
-from schemas.messages import FinishReason, ResultChunk, SamplingParams, Usage
+from schemas.control import PREEMPTED, NewRequest, RankStepPlan, RequestOutcome, StepResult
+from schemas.messages import ErrorInfo, FinishReason, ResultChunk, SamplingParams, Usage
+
+log = logging.getLogger("npu_pool.worker")
 
 
 @dataclass(slots=True)
@@ -45,6 +48,7 @@ class RequestState:
     pending_text: list[str] = field(default_factory=list)
     pending_logprobs: list[dict[str, Any]] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    error: ErrorInfo | None = None
 
     @property
     def num_completion_tokens(self) -> int:
@@ -70,8 +74,10 @@ class RankEngine:
         eos_token_ids: tuple[int, ...],
         max_model_len: int,
         rank: int = 0,
+        lockstep: bool = False,
     ) -> None:
         self.runner = runner
+        self.lockstep = lockstep
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids)
         self.max_model_len = max_model_len
@@ -108,10 +114,16 @@ class RankEngine:
         )
         touched: list[RequestState] = []
         self.launch_seconds = []
+        self.runner.launches.clear()
         prefill_shape, decode_shape = self.shapes
         for stop in plan.stops:
             state = self.slots.get(stop.slot)
-            if state is not None and state.request_id == stop.request_id:
+            if state is None or state.request_id != stop.request_id:
+                result.outcomes.append(_released(stop.request_id, stop.admission))
+            elif stop.finish_reason == PREEMPTED:
+                del self.slots[stop.slot]
+                result.outcomes.append(_released(state.request_id, state.admission))
+            else:
                 state.finish_reason = FinishReason(stop.finish_reason)
                 touched.append(state)
         for launch in plan.decode_launches:
@@ -187,7 +199,9 @@ class RankEngine:
         """MTP decode: verify each row's draft, commit one or two tokens, draft again."""
         max_position = max((len(s.token_ids) - 1 for s in states), default=0)
         verify = self.runner.verify(live, max_position)
-        if not states:
+        if not states:  # all padding: the draft launch still runs, as on every other rank
+            nothing = torch.zeros(0, dtype=torch.long, device=self.runner.device)
+            self.runner.commit(verify, nothing, nothing, nothing.bool())
             return
         logits = verify.logits
         banned = self._banned(states, offset=0) | self._banned(states, offset=1)
@@ -195,20 +209,42 @@ class RankEngine:
             logits = logits.clone()
             for (row, position), token_ids in banned.items():
                 logits[row, position, token_ids] = float("-inf")
-        rows = self._rows(states)
-        decided = accept_drafts(logits, verify.drafts, rows)
+        decided = self._accept(states, logits, verify.drafts)
         self.runner.commit(verify, decided.first, decided.second, decided.accepted)
         firsts, seconds = decided.first.tolist(), decided.second.tolist()
         accepted = decided.accepted.tolist()
-        wanted = [s.sampling.logprobs for s in states]
-        first_lp = token_logprobs(logits[:, 0], firsts, wanted)
-        second_lp = token_logprobs(logits[:, 1], seconds, wanted)
+        first_lp = self._logprobs(states, logits[:, 0], firsts)
+        second_lp = self._logprobs(states, logits[:, 1], seconds)
         result.num_draft_proposed += len(states)
         result.num_draft_accepted += sum(accepted)
         for i, state in enumerate(states):
+            if state.finish_reason is not None:  # its row failed to decide
+                continue
             self._commit(state, firsts[i], first_lp[i])
             if accepted[i] and state.finish_reason is None:
                 self._commit(state, seconds[i], second_lp[i])
+
+    def _accept(
+        self, states: list[RequestState], logits: torch.Tensor, drafts: torch.Tensor
+    ) -> Acceptance:
+        """Decide every row; a row whose decision raises fails its request alone (the others
+        are decided row by row, as they would have been together)."""
+        try:
+            return accept_drafts(logits, drafts, self._rows(states))
+        except Exception as exc:
+            if len(states) == 1:
+                self._fail(states[0], exc)
+                first = logits[:, 0].argmax(-1)
+                return Acceptance(first, first, torch.zeros_like(first, dtype=torch.bool))
+        parts = [
+            self._accept([state], logits[i : i + 1], drafts[i : i + 1])
+            for i, state in enumerate(states)
+        ]
+        return Acceptance(
+            torch.cat([p.first for p in parts]),
+            torch.cat([p.second for p in parts]),
+            torch.cat([p.accepted for p in parts]),
+        )
 
     def _banned(self, states: list[RequestState], offset: int) -> dict[tuple[int, int], list[int]]:
         """Tokens that min_tokens forbids, per (row, launch position)."""
@@ -219,34 +255,68 @@ class RankEngine:
         }
 
     def _prefill(self, slot: int, start: int, num_tokens: int) -> RequestState | None:
-        if num_tokens == 0:
-            self.runner.dummy_prefill()
-            return None
         state = self.slots.get(slot)
-        if state is None or state.finish_reason is not None:
+        if num_tokens == 0 or state is None or state.finish_reason is not None:
+            if num_tokens == 0 or self.lockstep:  # every rank runs the same launches
+                self.runner.dummy_prefill()
             return None
         out = self.runner.prefill_launch(slot, state.token_ids[start : start + num_tokens], start)
         final = start + num_tokens >= state.num_context_tokens
         if final:
             self._sample_into([state], out.logits[:, 0])
-        if self.runner.mtp and state.finish_reason is None:
-            next_ids = state.token_ids[start + 1 : start + num_tokens + 1]
+        if self.runner.mtp:  # also for a request that just ended: the launches stay the same
+            next_ids = state.token_ids[start + 1 : start + num_tokens + 1] or [0]
             draft = self.runner.prefill_draft(slot, out.hidden, next_ids, start)
-            if final:
+            if final and state.finish_reason is None:
                 position = state.num_context_tokens
                 self.runner.set_tail(slot, state.token_ids[position], position, draft)
         return state if final else None
 
     def _sample_into(self, states: list[RequestState], logits: torch.Tensor) -> None:
-        banned = self._banned(states, offset=0)
-        if banned:
-            logits = logits.clone()
-            for (row, _), token_ids in banned.items():
-                logits[row, token_ids] = float("-inf")
-        chosen = [int(t) for t in sample(logits, self._rows(states)).tolist()]
-        logprobs = token_logprobs(logits, chosen, [s.sampling.logprobs for s in states])
+        """Sample one token per row and commit it. If the launch's sampling raises, each row
+        is sampled alone (draws depend only on the row), so only the failing request ends."""
+        try:
+            banned = self._banned(states, offset=0)
+            if banned:
+                logits = logits.clone()
+                for (row, _), token_ids in banned.items():
+                    logits[row, token_ids] = float("-inf")
+            chosen = [int(t) for t in sample(logits, self._rows(states)).tolist()]
+            logprobs = token_logprobs(logits, chosen, [s.sampling.logprobs for s in states])
+        except Exception as exc:
+            if len(states) == 1:
+                self._fail(states[0], exc)
+                return
+            for i, state in enumerate(states):
+                self._sample_into([state], logits[i : i + 1])
+            return
         for state, token, entry in zip(states, chosen, logprobs):
             self._commit(state, token, entry)
+
+    def _logprobs(
+        self, states: list[RequestState], logits: torch.Tensor, chosen: list[int]
+    ) -> list[dict[str, Any] | None]:
+        """Logprob entries of the chosen tokens; a row that raises fails its request alone."""
+        wanted = [s.sampling.logprobs for s in states]
+        try:
+            return token_logprobs(logits, chosen, wanted)
+        except Exception:
+            entries: list[dict[str, Any] | None] = []
+            for i, state in enumerate(states):
+                try:
+                    entries += token_logprobs(
+                        logits[i : i + 1], chosen[i : i + 1], wanted[i : i + 1]
+                    )
+                except Exception as exc:
+                    self._fail(state, exc)
+                    entries.append(None)
+            return entries
+
+    def _fail(self, state: RequestState, exc: Exception) -> None:
+        """End one request `error` for an exception serving it; the rank serves on."""
+        log.exception("request %s failed on rank %d", state.request_id, self.rank, exc_info=exc)
+        state.finish_reason = FinishReason.ERROR
+        state.error = ErrorInfo(code="internal", message=f"{type(exc).__name__}: {exc}")
 
     def _rows(self, states: list[RequestState]) -> SamplingRows:
         return sampling_rows(
@@ -259,7 +329,10 @@ class RankEngine:
     def _commit(self, state: RequestState, token: int, logprob: dict[str, Any] | None) -> None:
         if logprob is not None:
             state.pending_logprobs.append(logprob)
-        self._append(state, token)
+        try:
+            self._append(state, token)
+        except Exception as exc:  # detokenizing or stop handling: this request's alone
+            self._fail(state, exc)
 
     def _stop_ids(self, state: RequestState) -> list[int]:
         eos = [] if state.sampling.ignore_eos else list(self.eos_token_ids)
@@ -295,6 +368,7 @@ class RankEngine:
                 token_ids=state.pending_ids,
                 text="".join(state.pending_text),
                 finish_reason=state.finish_reason,
+                error=state.error,
                 logprobs=state.pending_logprobs or None,
                 usage=Usage(
                     prompt_tokens=state.num_prompt_tokens,
@@ -317,6 +391,13 @@ class RankEngine:
             if final:
                 self.slots.pop(state.slot, None)
         return StepOutput(chunks, result)
+
+
+def _released(request_id: str, admission: int) -> RequestOutcome:
+    """The outcome of a request this rank no longer holds, unfinished."""
+    return RequestOutcome(
+        request_id=request_id, admission=admission, num_new_tokens=0, released=True
+    )
 
 
 def _seed_of(request_id: str) -> int:

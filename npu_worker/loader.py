@@ -37,12 +37,21 @@ class LoadedModel:
 
 
 def resolve_model_dir(model: str, progress: ReportProgress = no_progress) -> Path:
-    """A preset (`tiny`, `small`) is built once; anything else is a local directory."""
+    """A preset (`tiny`, `small`, `smollm2`) or a `.gguf` file is made a model directory once,
+    in the cache; anything else is a local directory."""
     if model in ("tiny", "small"):
         from npu_worker.tiny import ensure_preset
 
         return ensure_preset(model, progress=progress)
+    if model == "smollm2":
+        from npu_worker.imported import ensure_smollm2
+
+        return ensure_smollm2(progress=progress)
     path = Path(model).expanduser()
+    if path.suffix.lower() == ".gguf":
+        from npu_worker.imported import ensure_imported
+
+        return ensure_imported(path, progress=progress)
     if not path.is_dir():
         raise UnsupportedModel(
             f"model directory {path} does not exist (models load from disk only)"

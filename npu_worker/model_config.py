@@ -8,6 +8,11 @@ from pathlib import Path
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+MODEL_TYPES = {  # `model_type` -> architecture, for configs that list no `architectures`
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
 SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3"}
 
 
@@ -47,10 +52,13 @@ class ModelConfig:
         raw: dict[str, Any] = json.loads(config_path.read_text())
         architectures = raw.get("architectures") or []
         arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None and not architectures:
+            arch = MODEL_TYPES.get(str(raw.get("model_type")))
         if arch is None:
             raise UnsupportedModel(
-                f"{config_path}: architectures {architectures} not supported; "
-                f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+                f"{config_path}: architectures {architectures} (model_type "
+                f"{raw.get('model_type')!r}) not supported; supported: "
+                f"{sorted(SUPPORTED_ARCHITECTURES)}"
             )
         missing = [
             k

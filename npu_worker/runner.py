@@ -79,6 +79,7 @@ class LaunchRunner:
         zeros = torch.zeros(num_slots, dtype=torch.long, device=self.device)
         self.tail = TailPool(zeros.clone(), zeros.clone(), zeros.clone())
         self.num_launches = {"prefill": 0, "decode": 0}
+        self.launches: list[str] = []  # program and shape of each launch, cleared per step
 
     def spans(self) -> list[int]:
         """Every cache span a launch may read: the captured shapes of graph backends."""
@@ -102,6 +103,7 @@ class LaunchRunner:
                 self.backend.draft(launch, hidden)
         progress("warm-up: launch shapes per cache span", len(spans), len(spans))
         self.num_launches = {"prefill": 0, "decode": 0}
+        self.launches = []
 
     # -- prefill --------------------------------------------------------------------------
 
@@ -118,8 +120,7 @@ class LaunchRunner:
             span=start + size,
             window_start=slot if self.backend.reads_in_place else None,
         )
-        self.num_launches["prefill"] += 1
-        return self.backend.run(launch)
+        return self._run("prefill", launch)
 
     def prefill(self, slot: int, token_ids: list[int], start: int) -> torch.Tensor:
         """One prefill launch; the [1, vocab] logits of its last real token."""
@@ -142,7 +143,7 @@ class LaunchRunner:
             span=start + size,
             window_start=slot if self.backend.reads_in_place else None,
         )
-        return int(self.backend.draft(launch, hidden).argmax(-1)[0, 0])
+        return int(self._draft(launch, hidden).argmax(-1)[0, 0])
 
     def set_tail(self, slot: int, token: int, position: int, draft: int) -> None:
         """Start a request's committed tail after its prompt."""
@@ -153,7 +154,8 @@ class LaunchRunner:
         )
 
     def dummy_prefill(self, span: int | None = None) -> None:
-        """A prefill launch that touches only scratch positions (lockstep filler)."""
+        """A prefill launch (and its MTP draft launch) that touches only scratch positions:
+        the lockstep filler, the same launches a real chunk runs."""
         scratch = self.cache.scratch_position
         launch = LaunchInputs(
             input_ids=self._tensor([[0] * self.prefill_chunk]),
@@ -163,8 +165,9 @@ class LaunchRunner:
             span=span or self.prefill_chunk,
             window_start=0 if self.backend.reads_in_place else None,
         )
-        self.num_launches["prefill"] += 1
-        self.backend.run(launch)
+        out = self._run("prefill", launch)
+        if self.mtp:
+            self._draft(launch, out.hidden)
 
     # -- decode ---------------------------------------------------------------------------
 
@@ -188,8 +191,7 @@ class LaunchRunner:
             span=self.span_for(max(positions) + 1 if positions else 1),
             window_start=layout.window_start,
         )
-        self.num_launches["decode"] += 1
-        logits = self.backend.run(launch).logits[:, 0]
+        logits = self._run("decode", launch).logits[:, 0]
         return logits[self._tensor(layout.rows)] if slots else logits[:0]
 
     def verify(self, slots: list[int], max_position: int) -> Verify:
@@ -214,8 +216,7 @@ class LaunchRunner:
             span=span,
             window_start=layout.window_start,
         )
-        self.num_launches["decode"] += 1
-        out = self.backend.run(launch)
+        out = self._run("decode", launch)
         return Verify(
             layout,
             slot_index,
@@ -253,11 +254,20 @@ class LaunchRunner:
             verify.span,
             verify.layout.window_start,
         )
-        drafts = self.backend.draft(launch, verify.hidden)[rows, 0].argmax(-1)
+        drafts = self._draft(launch, verify.hidden)[rows, 0].argmax(-1)
         self.tail.token[verify.slots] = torch.where(accepted, second, first)
         self.tail.position[verify.slots] = verify.positions + 1 + accepted.long()
         self.tail.draft[verify.slots] = drafts
         return drafts
+
+    def _run(self, kind: str, launch: LaunchInputs) -> LaunchOutput:
+        self.num_launches[kind] += 1
+        self.launches.append(f"{kind} B{launch.input_ids.shape[0]}S{launch.input_ids.shape[1]}")
+        return self.backend.run(launch)
+
+    def _draft(self, launch: LaunchInputs, hidden: torch.Tensor) -> torch.Tensor:
+        self.launches.append(f"draft B{launch.input_ids.shape[0]}S{launch.input_ids.shape[1]}")
+        return self.backend.draft(launch, hidden)
 
     # -- layout ---------------------------------------------------------------------------
 

@@ -25,18 +25,25 @@ from prometheus_client import CollectorRegistry
 
 from npu_worker.engine import RankEngine
 from npu_worker.loader import load_for
+from npu_worker.model_config import UnsupportedModel
 from npu_worker.publisher import Publisher
 from npu_worker.rank_metrics import RankMetrics
 from npu_worker.runner import LaunchRunner
 from npu_worker.startup import rank_hash_reporter
 from schemas.codec import CodecError, decode
-from schemas.config import Settings, add_settings_flags, settings_from_args
+from schemas.config import EXIT_FAILED, Settings, add_settings_flags, settings_from_args
 from schemas.connection import connect, last_entry_id, stream_entries
 from schemas.control import RankStepPlan
 from schemas.keys import FIELD, Keys
 from schemas.metrics import CountsCollector, serve_metrics
 
 log = logging.getLogger("npu_pool.worker")
+
+
+class RankFailed(RuntimeError):
+    """The rank cannot start, for a reason a restart does not fix."""
+
+
 REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 
 
@@ -61,12 +68,22 @@ class Worker:
         self.plan_cursor = b"0-0"
 
     def run(self) -> None:
-        """Load, warm up, announce ready, then execute plans until stopped."""
+        """Load, warm up, announce ready, then execute plans until stopped.
+
+        A model that cannot load for a reason no restart fixes (configuration, missing
+        files, unsupported architecture) marks the rank `failed` with the reason and raises
+        RankFailed: its supervisor must not restart it."""
         heartbeat = threading.Thread(target=self._heartbeat_loop, daemon=True)
+        final_state = "stopped"
         try:
             self._register("loading")
             heartbeat.start()
-            self.engine = self._load()
+            try:
+                self.engine = self._load()
+            except (UnsupportedModel, ValueError) as exc:
+                final_state = "failed"
+                self.redis.hset(self.rank_key, mapping={"state": "failed", "reason": str(exc)})
+                raise RankFailed(str(exc)) from exc
             if self.settings.metrics_port:
                 self._serve_metrics(self.engine, self.settings.metrics_port + 1 + self.rank)
             self.publisher = Publisher(self.settings, self.keys)
@@ -89,8 +106,9 @@ class Worker:
             self.stop_event.set()
             if self.publisher is not None:
                 self.publisher.close()
-            with contextlib.suppress(redis.RedisError):
-                self.redis.hset(self.rank_key, "state", "stopped")
+            if final_state == "stopped":
+                with contextlib.suppress(redis.RedisError):
+                    self.redis.hset(self.rank_key, "state", "stopped")
             self.redis.close()
 
     def _serve_metrics(self, engine: RankEngine, port: int) -> None:
@@ -159,6 +177,7 @@ class Worker:
             loaded.config.eos_token_ids,
             settings.max_model_len,
             rank=self.rank,
+            lockstep=settings.lockstep,
         )
 
     def _serve_once(self, engine: RankEngine, publisher: Publisher) -> None:
@@ -184,6 +203,7 @@ class Worker:
                 return
 
     def _register(self, state: str) -> None:
+        self.redis.hdel(self.rank_key, "reason")
         self.redis.hset(
             self.rank_key,
             mapping={
@@ -193,17 +213,27 @@ class Worker:
                 "state": state,
                 "incarnation": self.incarnation,
                 "hb_ms": int(time.time() * 1000),
+                "requests": "",  # a new incarnation holds nothing yet
             },
         )
 
     def _heartbeat_loop(self) -> None:
-        """Beat, and notice when the batcher has declared this incarnation lost."""
+        """Beat (with the ids of the requests this rank holds, for operators), and notice
+        when the batcher has declared this incarnation lost."""
         client = connect(self.settings.redis_url)
         try:
             while not self.stop_event.wait(self.settings.heartbeat_s):
                 try:
                     pipe = client.pipeline(transaction=False)
-                    pipe.hset(self.rank_key, "hb_ms", int(time.time() * 1000))
+                    held = (
+                        [s.request_id for s in list(self.engine.slots.values())]
+                        if (self.engine is not None)
+                        else []
+                    )
+                    pipe.hset(
+                        self.rank_key,
+                        mapping={"hb_ms": int(time.time() * 1000), "requests": ",".join(held)},
+                    )
                     pipe.hmget(self.rank_key, ["state", "incarnation"])
                     state, incarnation = pipe.execute()[1]
                     if state == b"lost" and incarnation == self.incarnation.encode():
@@ -240,5 +270,9 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, worker.request_stop)
     torch.set_grad_enabled(False)
     sys.setswitchinterval(0.0002)  # the publisher thread must not hold up the model for 5 ms
-    worker.run()
+    try:
+        worker.run()
+    except RankFailed as exc:
+        log.error("rank %d cannot start: %s", args.rank, exc)
+        return EXIT_FAILED
     return 0

@@ -28,7 +28,7 @@ from producer.client import Client
 from producer.embedded import EmbeddedRedis
 from producer.launcher import PoolProcesses
 from producer.loadgen import Workload, run_workload, summarise
-from producer.status import pool_status
+from producer.status import PoolFailed, pool_status
 from producer.status_view import wait_ready_live
 from schemas.config import Settings, add_settings_flags, settings_from_args
 
@@ -69,7 +69,11 @@ def main(argv: list[str]) -> int:
         return 2
     levels = args.concurrency or ([1, 8, 64] if args.quick else [1, 4, 16, 64, 128])
     per_level = args.requests or (64 if args.quick else 160)
-    report = run(settings, args, levels, per_level)
+    try:
+        report = run(settings, args, levels, per_level)
+    except PoolFailed as exc:
+        print(f"npu-pool bench: {exc}", file=sys.stderr)
+        return 1
     print_report(report)
     if args.http or args.http_url:
         print_http(report)

@@ -17,6 +17,10 @@ def submit_main(argv: list[str]) -> int:
     """Submit one prompt; print the completion, or stream it as it is generated."""
     parser = argparse.ArgumentParser(prog="npu-pool submit", description=submit_main.__doc__)
     parser.add_argument("prompt")
+    parser.add_argument(
+        "--chat", action="store_true", help="send the prompt as a user message (chat template)"
+    )
+    parser.add_argument("--system", default=None, help="with --chat: a system message first")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -28,10 +32,17 @@ def submit_main(argv: list[str]) -> int:
     parser.add_argument("--redis-url", default=None)
     parser.add_argument("--namespace", default=None)
     args = parser.parse_args(argv)
+    if args.system is not None and not args.chat:
+        parser.error("--system needs --chat")
+    messages = None
+    if args.chat:
+        system = [{"role": "system", "content": args.system}] if args.system is not None else []
+        messages = system + [{"role": "user", "content": args.prompt}]
     try:
         client = Client(args.redis_url, args.namespace)
         request_id = client.submit(
-            args.prompt,
+            None if args.chat else args.prompt,
+            messages=messages,
             request_id=args.request_id,
             max_tokens=args.max_tokens,
             temperature=args.temperature,

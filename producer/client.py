@@ -14,19 +14,28 @@ from producer.requests import (
     ADMIT_SCRIPT,
     QueueFull,
     RequestFailed,
+    RequestTooLarge,
+    admission_call,
     assemble,
     build_request,
     parse_admission,
 )
-from producer.status import ready_pool
+from producer.status import PoolFailed, ready_pool
 from producer.streams import StreamMux, Subscription
-from schemas.codec import decode, encode
+from schemas.codec import decode
 from schemas.config import Settings, resolve_redis_url
 from schemas.connection import stream_entries
 from schemas.keys import FIELD, Keys
 from schemas.messages import ChatMessage, Completion, GenerateRequest, ResultChunk
 
-__all__ = ["AsyncClient", "Client", "QueueFull", "RequestFailed"]
+__all__ = [
+    "AsyncClient",
+    "Client",
+    "PoolFailed",
+    "QueueFull",
+    "RequestFailed",
+    "RequestTooLarge",
+]
 
 BLOCK_MS = 1000
 
@@ -43,7 +52,7 @@ class Client:
     ) -> None:
         settings = Settings()
         self.keys = Keys(namespace or settings.namespace)
-        self.max_queue = max_queue or settings.max_queue
+        self.max_queue = max_queue  # a bound of this client's own, under the namespace's
         if connection is not None:  # an open connection (an RQ job's): no URL to resolve
             self.url, self.redis = redis_url or "", connection
         else:
@@ -67,12 +76,8 @@ class Client:
     ) -> str:
         """Enqueue a built request; with `mark` (hash, field, value), set that hash field in
         the same atomic step. Raises QueueFull when the queue is at max_queue."""
-        keys = [self.keys.requests]
-        args: list[str | int | bytes] = [self.max_queue, encode(request)]
-        if mark is not None:
-            keys.append(mark[0])
-            args += [mark[1], mark[2]]
-        parse_admission(self._admit(keys=keys, args=args), self.max_queue)
+        keys, args = admission_call(self.keys, request, self.max_queue, mark)
+        parse_admission(self._admit(keys=keys, args=args))
         return request.id
 
     def stream(self, request_id: str, timeout_s: float | None = None) -> Iterator[ResultChunk]:
@@ -118,7 +123,8 @@ class Client:
         pipe.execute()
 
     def wait_ready(self, timeout_s: float = 60.0, pool: str | None = None) -> str:
-        """Block until a pool (or the named one) has all ranks ready; returns its name."""
+        """Block until a pool (or the named one) has all ranks ready; returns its name.
+        Raises PoolFailed with the reason when a rank cannot start (no restart would help)."""
         deadline = time.monotonic() + timeout_s
         while True:
             name = ready_pool(self.redis, self.keys, pool)
@@ -157,7 +163,7 @@ class AsyncClient:
     ) -> None:
         settings = Settings()
         self.keys = Keys(namespace or settings.namespace)
-        self.max_queue = max_queue or settings.max_queue
+        self.max_queue = max_queue  # a bound of this client's own, under the namespace's
         self.url = resolve_redis_url(redis_url or settings.redis_url)
         self.redis = _pooled(self.url, max_connections)
         self._reader = _pooled(self.url, max_stream_connections)
@@ -175,8 +181,8 @@ class AsyncClient:
     ) -> str:
         """Enqueue a request; returns its id. Raises QueueFull when the queue is at max_queue."""
         request = build_request(prompt, prompt_token_ids, request_id, options)
-        reply = await self._admit(keys=[self.keys.requests], args=[self.max_queue, encode(request)])
-        parse_admission(reply, self.max_queue)
+        keys, args = admission_call(self.keys, request, self.max_queue)
+        parse_admission(await self._admit(keys=keys, args=args))
         return request.id
 
     def subscribe(self, request_id: str, after: bytes = b"0-0") -> Subscription:

@@ -1,5 +1,7 @@
-"""`npu-pool demo`: a pool on embedded Redis with the tiny model, concurrent requests streamed
-live, then a summary. Everything stops cleanly at the end."""
+"""`npu-pool demo`: a pool on embedded Redis answering concurrent requests, streamed live,
+then the answers and a summary. SmolLM2-135M-Instruct answers chat questions when its
+package is installed (else the random tiny model continues prompts). Everything stops
+cleanly at the end."""
 
 from __future__ import annotations
 
@@ -16,37 +18,26 @@ from rich.live import Live
 from rich.table import Table
 
 from producer.client import AsyncClient, Client
-from producer.embedded import EmbeddedRedis
+from producer.demo_workload import (
+    DemoRequest,
+    default_max_tokens,
+    default_num_requests,
+    demo_defaults,
+    demo_model,
+    demo_requests,
+)
+from producer.embedded import DataDirInUse, EmbeddedRedis
 from producer.launcher import PoolProcesses
-from producer.status import pool_status
+from producer.status import PoolFailed, pool_status
 from producer.status_view import wait_ready_live
 from schemas.config import Settings, add_settings_flags, cache_dir, settings_from_args
-
-PROMPTS = [
-    "Once upon a time",
-    "The queue said",
-    "Hello, world!",
-    "def add(a, b):",
-    "Redis streams are",
-    "A small model",
-    "Decode first, then",
-    "Every request gets",
-    "In the beginning",
-    "The batcher plans",
-    "Fixed shapes keep",
-    "Tokens flow out",
-    "Größe und café",
-    "東京 is",
-    "Nothing accepted is",
-    "The final chunk",
-]
 
 
 @dataclass(slots=True)
 class Row:
     """Live state of one demo request."""
 
-    prompt: str
+    request: DemoRequest
     submitted: float
     text: str = ""
     num_tokens: int = 0
@@ -56,29 +47,52 @@ class Row:
     token_times: list[float] = field(default_factory=list)
 
 
-def _printable(text: str, width: int = 48) -> str:
+def _printable(text: str, width: int) -> str:
     shown = "".join(c if c.isprintable() else "·" for c in text)
     return shown[-width:]
 
 
-def _table(rows: list[Row]) -> Table:
+def _table(rows: list[Row], tail_width: int) -> Table:
     table = Table(title="npu-pool demo — live result streams", expand=True)
     table.add_column("#", justify="right")
-    table.add_column("prompt", no_wrap=True)
-    table.add_column("completion (tail)", no_wrap=True, ratio=1)
+    title = "question" if rows and rows[0].request.chat else "prompt"
+    table.add_column(title, no_wrap=True, max_width=30, overflow="ellipsis")
+    table.add_column("sampling", no_wrap=True)
+    table.add_column("completion (tail)", no_wrap=True, ratio=1, min_width=16)
     table.add_column("tokens", justify="right")
     table.add_column("state")
     for i, row in enumerate(rows):
         state = row.finish_reason if row.done_at else ("streaming" if row.num_tokens else "queued")
-        table.add_row(str(i), row.prompt, _printable(row.text), str(row.num_tokens), state)
+        table.add_row(
+            str(i),
+            row.request.text,
+            row.request.mode,
+            _printable(row.text, tail_width),
+            str(row.num_tokens),
+            state,
+        )
     return table
 
 
-async def _one(
-    client: AsyncClient, row: Row, max_tokens: int, temperature: float, seed: int
-) -> None:
+def _answers(rows: list[Row]) -> Table:
+    """Each chat question with its whole answer, once every stream has ended."""
+    table = Table(title="answers", expand=True, show_lines=True)
+    table.add_column("#", justify="right")
+    table.add_column("question", ratio=1)
+    table.add_column("answer", ratio=2)
+    for i, row in enumerate(rows):
+        table.add_row(str(i), f"{row.request.text}\n[dim]{row.request.mode}[/]", row.text.strip())
+    return table
+
+
+async def _one(client: AsyncClient, row: Row, max_tokens: int) -> None:
+    request = row.request
     request_id = await client.submit(
-        row.prompt, max_tokens=max_tokens, temperature=temperature, seed=seed
+        None if request.chat else request.text,
+        messages=[{"role": "user", "content": request.text}] if request.chat else None,
+        max_tokens=max_tokens,
+        temperature=request.temperature,
+        seed=request.seed,
     )
     async for chunk in client.stream(request_id, timeout_s=300):
         now = time.monotonic()
@@ -97,15 +111,13 @@ async def _workload(
 ) -> None:
     client = AsyncClient(url, settings.namespace)
     try:
-        with Live(_table(rows), console=console, refresh_per_second=8) as live:
-            tasks = [
-                asyncio.create_task(_one(client, row, max_tokens, 0.8 if i % 2 else 0.0, i))
-                for i, row in enumerate(rows)
-            ]
+        tail_width = max(16, console.width - 76)  # what the other columns leave
+        with Live(_table(rows, tail_width), console=console, refresh_per_second=8) as live:
+            tasks = [asyncio.create_task(_one(client, row, max_tokens)) for row in rows]
             while not all(t.done() for t in tasks):
-                live.update(_table(rows))
+                live.update(_table(rows, tail_width))
                 await asyncio.sleep(0.1)
-            live.update(_table(rows))
+            live.update(_table(rows, tail_width))
             for task in tasks:
                 task.result()
     finally:
@@ -165,16 +177,22 @@ def _summary(rows: list[Row], wall_s: float, settings: Settings, pool: dict[str,
 def main(argv: list[str]) -> int:
     """Run the demo; exit 0 when every request ended normally."""
     parser = argparse.ArgumentParser(prog="npu-pool demo", description=__doc__)
-    parser.add_argument("--requests", type=int, default=16, help="concurrent requests")
-    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--requests", type=int, default=None, help="concurrent requests")
+    parser.add_argument("--max-tokens", type=int, default=None)
     add_settings_flags(parser)
     args = parser.parse_args(argv)
+    console = Console()
+    model, note = demo_model(args.model)
+    if note:
+        console.print(note)
+    defaults = {k: v for k, v in demo_defaults(model).items() if getattr(args, k, None) is None}
     try:
-        settings = settings_from_args(args, **_demo_defaults(args))
+        settings = settings_from_args(args, **defaults)
     except ValueError as exc:
         print(f"npu-pool demo: {exc}", file=sys.stderr)
         return 2
-    console = Console()
+    num_requests = args.requests or default_num_requests(model)
+    max_tokens = args.max_tokens or default_max_tokens(model)
     workdir = cache_dir() / "demo"
     embedded = None if settings.redis_url else EmbeddedRedis(data_dir=workdir / "redis")
     processes: PoolProcesses | None = None
@@ -188,15 +206,18 @@ def main(argv: list[str]) -> int:
                 client.redis, client.keys, settings.pool, console, 300, processes.supervise
             )
         console.print(f"pool [bold]{settings.pool}[/] ready on {url} (logs in {workdir / 'logs'})")
-        rows = [Row(PROMPTS[i % len(PROMPTS)], time.monotonic()) for i in range(args.requests)]
         started = time.monotonic()
-        for row in rows:
-            row.submitted = started
-        asyncio.run(_workload(url, settings, rows, args.max_tokens, console))
+        rows = [Row(r, started) for r in demo_requests(model, num_requests)]
+        asyncio.run(_workload(url, settings, rows, max_tokens, console))
         console.print()
         wall_s = time.monotonic() - started
+        if rows and rows[0].request.chat:
+            console.print(_answers(rows))
         console.print(_summary(rows, wall_s, settings, _pool_stats(url, settings, len(rows))))
         ok = all(r.finish_reason in ("stop", "length") for r in rows)
+    except (PoolFailed, DataDirInUse) as exc:
+        console.print(f"[red]npu-pool demo: {exc}[/]")
+        return 1
     finally:
         with console.status("shutting down"):
             if processes is not None:
@@ -204,9 +225,3 @@ def main(argv: list[str]) -> int:
             if embedded is not None:
                 embedded.stop()
     return 0 if ok else 1
-
-
-def _demo_defaults(args: argparse.Namespace) -> dict[str, object]:
-    """The demo's own defaults, for settings not given as flags."""
-    defaults: dict[str, object] = {"ranks": 2, "pool": "demo", "mtp": True, "decode_batch": 4}
-    return {k: v for k, v in defaults.items() if getattr(args, k, None) is None}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -10,6 +11,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import redis
 
@@ -33,6 +35,10 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+class DataDirInUse(RuntimeError):
+    """Another live process already serves an embedded Redis on this data directory."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +70,7 @@ class EmbeddedRedis:
         self.extra_args = extra_args
         self.process: subprocess.Popen[bytes] | None = None
         self.port = 0
+        self.lock: IO[str] | None = None
 
     @property
     def url(self) -> str:
@@ -74,8 +81,13 @@ class EmbeddedRedis:
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self, timeout_s: float = 15.0, port: int | None = None) -> str:
-        """Start the server (on `port`, else a free one) once it answers PING; its URL."""
+        """Start the server (on `port`, else a free one) once it answers PING; its URL.
+
+        The data directory is locked for as long as this object runs its server (the OS
+        drops the lock when the process dies): a second start on it raises DataDirInUse
+        naming the running one's pid and URL."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._take_lock()
         for _ in range(5):
             self.port = port or _free_port()
             listen = ["--port", str(self.port)]
@@ -113,13 +125,48 @@ class EmbeddedRedis:
             if self.password:
                 args += ["--requirepass", self.password]
             args += self.extra_args
-            self.process = subprocess.Popen(
-                args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            assert self.lock is not None
+            self.process = subprocess.Popen(  # the server shares the lock: if this process
+                args,  # dies first, no second server starts on the same data
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                pass_fds=(self.lock.fileno(),),
             )
             if self._wait_ready(timeout_s):
+                self._describe_lock()
                 return self.url
-            self.stop()
+            self._stop_server()
+        self._release_lock()
         raise RuntimeError(f"redis-server did not start; see {self.data_dir / 'redis.log'}")
+
+    def _take_lock(self) -> None:
+        lock = open(self.data_dir / "lock", "a+")  # noqa: SIM115 - held while the server runs
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            owner = lock.read().strip() or "{}"
+            lock.close()
+            info = json.loads(owner) if owner.startswith("{") else {}
+            raise DataDirInUse(
+                f"another npu-pool (pid {info.get('pid', '?')}) already runs the embedded Redis "
+                f"of {self.data_dir}, at {info.get('url', '?')}: use it (--redis-url), stop it, "
+                "or give this one its own NPUPOOL_HOME"
+            ) from None
+        self.lock = lock
+
+    def _describe_lock(self) -> None:
+        assert self.lock is not None
+        self.lock.seek(0)
+        self.lock.truncate()
+        self.lock.write(json.dumps({"pid": os.getpid(), "url": self.url}))
+        self.lock.flush()
+
+    def _release_lock(self) -> None:
+        if self.lock is not None:
+            self.lock.close()  # closing the file drops the lock
+            self.lock = None
 
     def _wait_ready(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -146,7 +193,12 @@ class EmbeddedRedis:
         path.chmod(0o600)
 
     def stop(self) -> None:
-        """Stop the server (it rewrites nothing: AOF is already on disk) and drop the record."""
+        """Stop the server (it rewrites nothing: AOF is already on disk), drop the record it
+        wrote (only its own) and release the data directory."""
+        self._stop_server()
+        self._release_lock()
+
+    def _stop_server(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()
             try:

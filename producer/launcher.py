@@ -17,14 +17,16 @@ from typing import IO
 
 from rich.console import Console
 
-from producer.embedded import EmbeddedRedis
-from schemas.config import Settings, add_settings_flags, settings_from_args
+from producer.embedded import DataDirInUse, EmbeddedRedis
+from producer.status import PoolFailed, ready_pool
+from schemas.config import EXIT_FAILED, Settings, add_settings_flags, settings_from_args
 from schemas.connection import connect
 from schemas.extras import require
 from schemas.keys import Keys
 
 log = logging.getLogger("npu_pool.up")
 MAX_BACKOFF_S = 30.0
+EXIT_USAGE = 2  # argparse's exit status for a bad flag or setting
 HEALTHY_AFTER_S = 30.0
 
 
@@ -39,6 +41,7 @@ class Child:
     started_at: float = 0.0
     next_start: float = 0.0
     log_file: IO[bytes] | None = field(default=None, repr=False)
+    failed: bool = False  # exited saying a restart cannot help
 
 
 class PoolProcesses:
@@ -57,8 +60,21 @@ class PoolProcesses:
         ]
 
     def start(self) -> None:
-        """Start every child process (they need the `worker` extra installed here)."""
+        """Start every child process (they need the `worker` extra installed here), first
+        forgetting what earlier processes left in the ranks' registry: a `failed` from an
+        earlier run must not read as this run's."""
         require("worker")
+        client = connect(self.env["REDIS_URL"])
+        try:
+            keys = Keys(self.settings.namespace)
+            pipe = client.pipeline(transaction=False)
+            for rank in range(self.settings.ranks):
+                key = keys.rank(self.settings.pool, rank)
+                pipe.hdel(key, "reason")
+                pipe.hset(key, "state", "starting")
+            pipe.execute()
+        finally:
+            client.close()
         for child in self.children:
             self._spawn(child)
 
@@ -79,10 +95,15 @@ class PoolProcesses:
         )
 
     def supervise(self) -> None:
-        """Restart any child that exited, with exponential backoff."""
+        """Restart any child that exited, with exponential backoff; a child that exited saying
+        a restart cannot help (a bad flag, a model that cannot load) is left down."""
         now = time.monotonic()
         for child in self.children:
-            if child.process is None or child.process.poll() is None:
+            if child.process is None or child.process.poll() is None or child.failed:
+                continue
+            if child.process.returncode in (EXIT_FAILED, EXIT_USAGE):
+                child.failed = True
+                log.error("%s cannot start (see its log or `npu-pool status`)", child.name)
                 continue
             if child.next_start == 0.0:
                 if now - child.started_at > HEALTHY_AFTER_S:
@@ -118,6 +139,11 @@ class PoolProcesses:
                 child.log_file.close()
                 child.log_file = None
 
+    @property
+    def failed(self) -> list[str]:
+        """Children that cannot start and are not restarted."""
+        return [c.name for c in self.children if c.failed]
+
     def kill(self, name: str) -> int:
         """SIGKILL one child (`batcher` or `rank{R}`), as a crash would; returns its pid."""
         child = next(c for c in self.children if c.name == name)
@@ -143,7 +169,11 @@ def up_main(argv: list[str]) -> int:
     redis_url = settings.redis_url
     if not redis_url:
         embedded = EmbeddedRedis()
-        redis_url = embedded.start()
+        try:
+            redis_url = embedded.start()
+        except DataDirInUse as exc:
+            print(f"npu-pool up: {exc}", file=sys.stderr)
+            return 1
         embedded.record()
         log.info("embedded Redis at %s (data in %s)", redis_url, embedded.data_dir)
     stopping = False
@@ -166,13 +196,31 @@ def up_main(argv: list[str]) -> int:
         _show_start_up(settings, redis_url, processes, lambda: stopping)
         while not stopping:
             processes.supervise()
+            if processes.failed:
+                print(f"npu-pool up: {failure_reason(redis_url, settings)}", file=sys.stderr)
+                return 1
             time.sleep(0.2)
         log.info("stopping")
+    except PoolFailed as exc:
+        print(f"npu-pool up: {exc}", file=sys.stderr)
+        return 1
     finally:
         processes.stop(timeout_s=settings.drain_timeout_s + 5)
         if embedded is not None:
             embedded.stop()
     return 0
+
+
+def failure_reason(redis_url: str, settings: Settings) -> str:
+    """Why a pool's processes cannot start, as its ranks reported it."""
+    client = connect(redis_url)
+    try:
+        ready_pool(client, Keys(settings.namespace), settings.pool)
+    except PoolFailed as exc:
+        return str(exc)
+    finally:
+        client.close()
+    return f"pool {settings.pool}: a service cannot start; see its log"
 
 
 def _show_start_up(

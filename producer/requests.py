@@ -5,26 +5,44 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+from schemas.codec import encode
+from schemas.keys import Keys
 from schemas.messages import Completion, GenerateRequest, ResultChunk, SamplingParams
 
-# XLEN >= max_queue refuses the XADD atomically; returns {"full", depth} or the entry id.
-# KEYS[1]: the request stream; ARGV: max_queue, encoded request. With KEYS[2] and ARGV[3..4],
-# also set that hash field in the same atomic step (batch jobs record what they have sent).
+# Admission: one atomic step that counts the outstanding requests over every priority
+# class, checks the namespace's limits (published by its batchers in `{ns}:limits`; a
+# client's own bound may only lower them) and adds the entry to its class's stream.
+# KEYS: the class streams, the limits hash, optionally a hash to mark in the same step.
+# ARGV: number of class streams, the client's bound (0: none), the bound when no pool has
+# published one, index of the target stream (1-based), the encoded request, then the
+# mark's field and value. Returns the entry id, {"full", depth, bound} or
+# {"too_large", size, limit}.
 ADMIT_SCRIPT = """
-local depth = redis.call('XLEN', KEYS[1])
-if depth >= tonumber(ARGV[1]) then
-  return {'full', depth}
+local n = tonumber(ARGV[1])
+local limits = redis.call('HMGET', KEYS[n + 1], 'max_queue', 'max_request_bytes')
+local bound = tonumber(limits[1]) or tonumber(ARGV[3])
+local own = tonumber(ARGV[2])
+if own > 0 and own < bound then bound = own end
+local max_bytes = tonumber(limits[2])
+if max_bytes and #ARGV[5] > max_bytes then
+  return {'too_large', #ARGV[5], max_bytes}
 end
-local id = redis.call('XADD', KEYS[1], '*', 'm', ARGV[2])
-if KEYS[2] then
-  redis.call('HSET', KEYS[2], ARGV[3], ARGV[4])
+local depth = 0
+for i = 1, n do depth = depth + redis.call('XLEN', KEYS[i]) end
+if depth >= bound then
+  return {'full', depth, bound}
+end
+local id = redis.call('XADD', KEYS[tonumber(ARGV[4])], '*', 'm', ARGV[5])
+if KEYS[n + 2] then
+  redis.call('HSET', KEYS[n + 2], ARGV[6], ARGV[7])
 end
 return id
 """
+DEFAULT_MAX_QUEUE = 10000  # the bound while no pool of the namespace has published one
 
 
 class QueueFull(RuntimeError):
-    """The request stream holds `max_queue` outstanding requests; nothing was enqueued."""
+    """The namespace holds `max_queue` outstanding requests; nothing was enqueued."""
 
     def __init__(self, depth: int, max_queue: int) -> None:
         super().__init__(
@@ -32,6 +50,15 @@ class QueueFull(RuntimeError):
         )
         self.depth = depth
         self.max_queue = max_queue
+
+
+class RequestTooLarge(ValueError):
+    """The encoded request is over the namespace's `max_request_bytes`; nothing was enqueued."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"request is {size} bytes, over max_request_bytes={limit}")
+        self.size = size
+        self.limit = limit
 
 
 class RequestFailed(RuntimeError):
@@ -68,10 +95,36 @@ def build_request(
     )
 
 
-def parse_admission(reply: Any, max_queue: int) -> str:
-    """The entry id from the admission script, or QueueFull."""
+def admission_call(
+    keys: Keys,
+    request: GenerateRequest,
+    max_queue: int | None,
+    mark: tuple[str, str, str | int] | None = None,
+) -> tuple[list[str], list[str | int | bytes]]:
+    """The KEYS and ARGV of the admission script for one request."""
+    streams = keys.request_streams
+    target = streams.index(keys.request_stream(request.priority)) + 1
+    script_keys = [*streams, keys.limits]
+    args: list[str | int | bytes] = [
+        len(streams),
+        max_queue or 0,
+        DEFAULT_MAX_QUEUE,
+        target,
+        encode(request),
+    ]
+    if mark is not None:
+        script_keys.append(mark[0])
+        args += [mark[1], mark[2]]
+    return script_keys, args
+
+
+def parse_admission(reply: Any) -> str:
+    """The entry id from the admission script, or QueueFull / RequestTooLarge."""
     if isinstance(reply, list):
-        raise QueueFull(int(reply[1]), max_queue)
+        kind = reply[0].decode() if isinstance(reply[0], bytes) else str(reply[0])
+        if kind == "too_large":
+            raise RequestTooLarge(int(reply[1]), int(reply[2]))
+        raise QueueFull(int(reply[1]), int(reply[2]))
     return reply.decode() if isinstance(reply, bytes) else str(reply)
 
 

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import time
 from typing import Any, cast
 
 import redis
 
 from schemas.connection import hash_fields
-from schemas.keys import GROUP, Keys
+from schemas.keys import GROUP, PRIORITY_CLASSES, Keys
 
 STALE_AFTER_MS = 10_000
+
+
+class PoolFailed(RuntimeError):
+    """A pool cannot serve: one of its ranks failed to start, for a reason restarts don't fix."""
 
 
 def _text(info: dict[bytes, bytes], field: str, default: str = "") -> str:
@@ -24,7 +30,7 @@ def _int(info: dict[bytes, bytes], field: str) -> int:
 
 
 def _liveness(state: str, hb_ms: int, now_ms: int) -> str:
-    if state not in ("stopped", "") and now_ms - hb_ms > STALE_AFTER_MS:
+    if state not in ("stopped", "failed", "") and now_ms - hb_ms > STALE_AFTER_MS:
         return "unresponsive"
     return state or "unknown"
 
@@ -43,6 +49,8 @@ def pool_status(client: redis.Redis, keys: Keys, pool: str, now_ms: int) -> dict
                 "host": _text(r, "host"),
                 "device": _text(r, "device"),
                 "state": _liveness(_text(r, "state"), _int(r, "hb_ms"), now_ms),
+                "reason": _text(r, "reason") or None,
+                "requests": [i for i in _text(r, "requests").split(",") if i],
                 "progress": {
                     "what": _text(r, "progress"),
                     "done": _int(r, "progress_done"),
@@ -64,6 +72,7 @@ def pool_status(client: redis.Redis, keys: Keys, pool: str, now_ms: int) -> dict
         "rejected": _int(info, "rejected"),
         "decode_launches": _int(info, "decode_launches"),
         "padding_rows": _int(info, "padding_rows"),
+        "preempted": _int(info, "preempted"),
         "mtp": mtp_summary(_int(info, "mtp_proposed"), _int(info, "mtp_accepted")),
     }
 
@@ -83,26 +92,56 @@ def collect_status(client: redis.Redis, keys: Keys) -> dict[str, Any]:
     """Every registered pool and the queue, as `npu-pool status --json` prints them."""
     now_ms = int(time.time() * 1000)
     pools = _pool_names(client, keys)
-    pending = 0
-    try:
-        groups = client.xinfo_groups(keys.requests)
-        pending = sum(int(g["pending"]) for g in groups if g["name"] in (GROUP, GROUP.encode()))
-    except redis.ResponseError:
-        pass
+    by_class = queue_depths(client, keys)
     return {
         "pools": [pool_status(client, keys, pool, now_ms) for pool in pools],
         "queue": {
-            "outstanding": int(client.xlen(keys.requests)),
-            "in_progress": pending,
+            "outstanding": sum(depth for depth, _ in by_class.values()),
+            "in_progress": sum(pending for _, pending in by_class.values()),
+            "by_priority": {str(c): d for c, (d, _) in by_class.items() if d},
             "dead": int(client.xlen(keys.dead)),
         },
+        "limits": namespace_limits(client, keys),
     }
 
 
+def queue_depths(client: redis.Redis, keys: Keys) -> dict[int, tuple[int, int]]:
+    """(entries, entries held by pools) of each priority class's request stream."""
+    pipe = client.pipeline(transaction=False)
+    for stream in keys.request_streams:
+        pipe.xlen(stream)
+        pipe.xinfo_groups(stream)
+    replies = pipe.execute(raise_on_error=False)
+    found: dict[int, tuple[int, int]] = {}
+    for i, klass in enumerate(PRIORITY_CLASSES):
+        depth, groups = replies[2 * i], replies[2 * i + 1]
+        pending = 0
+        if isinstance(groups, list):
+            pending = sum(int(g["pending"]) for g in groups if g["name"] in (GROUP, GROUP.encode()))
+        found[klass] = (int(depth) if isinstance(depth, int) else 0, pending)
+    return found
+
+
+def namespace_limits(client: redis.Redis, keys: Keys) -> dict[str, Any]:
+    """The limits admission applies, and each pool's own (they may disagree)."""
+    raw = hash_fields(client.hgetall(keys.limits))
+    limits: dict[str, Any] = {"pools": {}}
+    for field, value in raw.items():
+        name = field.decode()
+        if name.startswith("pool:"):
+            with contextlib.suppress(ValueError):
+                limits["pools"][name[5:]] = json.loads(value)
+        else:
+            limits[name] = int(value)
+    return limits
+
+
 def ready_pool(client: redis.Redis, keys: Keys, pool: str | None = None) -> str | None:
-    """The name of a pool whose batcher and every rank are ready, if any."""
+    """The name of a pool whose batcher and every rank are ready, if any; PoolFailed when
+    every pool asked about has a rank that cannot start."""
     now_ms = int(time.time() * 1000)
     names = [pool] if pool else _pool_names(client, keys)
+    failures = []
     for name in names:
         status = pool_status(client, keys, name, now_ms)
         if (
@@ -111,6 +150,14 @@ def ready_pool(client: redis.Redis, keys: Keys, pool: str | None = None) -> str 
             and all(r["state"] == "ready" for r in status["ranks"])
         ):
             return name
+        failed = [r for r in status["ranks"] if r["state"] == "failed"]
+        if failed:
+            failures.append(
+                f"pool {name}: "
+                + "; ".join(f"rank {r['rank']} failed: {r['reason']}" for r in failed)
+            )
+    if names and len(failures) == len(names):
+        raise PoolFailed(" | ".join(failures))
     return None
 
 

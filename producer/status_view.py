@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -20,12 +21,15 @@ from schemas.keys import Keys
 def render(status: dict[str, Any], rates: dict[str, float] | None = None) -> RenderableType:
     """Queue line, then per pool: ranks table and counters (tokens/s when known)."""
     queue = status["queue"]
+    classes = ", ".join(f"p{c}: {n}" for c, n in queue.get("by_priority", {}).items())
     parts: list[RenderableType] = [
         Text(
-            f"queue: {queue['outstanding']} outstanding, {queue['in_progress']} in progress, "
-            f"{queue['dead']} dead letters"
+            f"queue: {queue['outstanding']} outstanding"
+            + (f" ({classes})" if classes else "")
+            + f", {queue['in_progress']} in progress, {queue['dead']} dead letters"
         )
     ]
+    parts += _limits_lines(status.get("limits", {}))
     for pool in status["pools"]:
         table = Table(
             title=f"pool {pool['pool']} — {pool['state']} (batcher pid "
@@ -43,7 +47,7 @@ def render(status: dict[str, Any], rates: dict[str, float] | None = None) -> Ren
         line = (
             f"  running {pool['running']}, waiting {pool['waiting']}, steps {pool['steps']}, "
             f"tokens {pool['tokens']}, finished {pool['finished']}, "
-            f"rejected {pool['rejected']}"
+            f"rejected {pool['rejected']}, preempted {pool.get('preempted', 0)}"
         )
         if rates is not None and pool["pool"] in rates:
             line += f", {rates[pool['pool']]:.0f} tokens/s"
@@ -57,6 +61,23 @@ def render(status: dict[str, Any], rates: dict[str, float] | None = None) -> Ren
                 )
             )
     return Group(*parts)
+
+
+def _limits_lines(limits: dict[str, Any]) -> list[RenderableType]:
+    """The bound admission applies, and a warning when the pools' own values differ."""
+    if "max_queue" not in limits:
+        return []
+    lines: list[RenderableType] = [
+        Text(
+            f"limits: max_queue {limits['max_queue']}, max_request_bytes "
+            f"{limits.get('max_request_bytes')}, max_model_len {limits.get('max_model_len')}"
+        )
+    ]
+    pools = limits.get("pools", {})
+    if len({json.dumps(v, sort_keys=True) for v in pools.values()}) > 1:
+        each = "; ".join(f"{name}: max_queue {v.get('max_queue')}" for name, v in pools.items())
+        lines.append(Text(f"  pools disagree ({each}): the strictest holds", style="yellow"))
+    return lines
 
 
 def watch(client: redis.Redis, keys: Keys, interval_s: float = 1.0) -> None:

@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "status": ("producer.cli", "status_main", "show pools, ranks and the queue"),
     "batch": ("producer.batch_cli", "main", "offline batch jobs through RQ"),
     "bench": ("producer.bench", "main", "benchmarks: --kernels for the launch microbenchmark"),
+    "models": ("npu_worker.models_cli", "main", "models import FILE.gguf: a model directory"),
     "gateway": (
         "producer.gateway.cli",
         "main",

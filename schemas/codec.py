@@ -23,11 +23,12 @@ class DeadLetter(CodecError):
 class Rejected(CodecError):
     """A request entry with a usable id but a bad field: it gets a final `rejected` chunk."""
 
-    def __init__(self, request_id: str, code: str, message: str) -> None:
+    def __init__(self, request_id: str, code: str, message: str, prompt_tokens: int = 0) -> None:
         super().__init__(message)
         self.request_id = request_id
         self.code = code
         self.message = message
+        self.prompt_tokens = prompt_tokens  # for the chunk's usage, when the prompt was read
 
 
 def encode(message: BaseModel) -> bytes:
@@ -70,6 +71,16 @@ def decode_request(raw: bytes, max_request_bytes: int) -> GenerateRequest:
         return GenerateRequest.model_validate(data)
     except ValidationError as exc:
         raise Rejected(request_id, "invalid_request", _describe(exc)) from exc
+
+
+def request_id_of(raw: bytes | None) -> str | None:
+    """The usable `id` of a request entry's payload, if it has one."""
+    try:
+        request_id = _unpack_map(raw or b"").get("id")
+    except CodecError:
+        return None
+    ok = isinstance(request_id, str) and REQUEST_ID_RE.match(request_id)
+    return request_id if ok else None
 
 
 def _unpack_map(raw: bytes) -> dict[str, Any]:

@@ -12,6 +12,10 @@ import platformdirs
 from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+# A service exits with this when a restart cannot help (bad configuration, a model that
+# cannot load): supervisors stop instead of restarting it.
+EXIT_FAILED = 3
+
 
 def cache_dir() -> Path:
     """Per-user cache directory (models, embedded Redis data); NPUPOOL_HOME overrides it."""
@@ -31,7 +35,9 @@ class Settings(BaseSettings):
     )
     namespace: str = Field(default="npupool", description="prefix of every Redis key")
     pool: str = Field(default="default", description="name of this pool")
-    model: str = Field(default="tiny", description="model directory, or `tiny`")
+    model: str = Field(
+        default="tiny", description="model directory, .gguf file, or tiny, small, smollm2"
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16", "float64"] = Field(
         default="auto", description="weights and KV dtype; auto: the checkpoint's"
     )
@@ -48,7 +54,18 @@ class Settings(BaseSettings):
     mtp: bool = Field(default=False, description="decode with MTP drafts (K=1)")
     lockstep: bool = Field(default=False, description="every rank runs the same launches")
     max_inflight_steps: int = Field(default=2, ge=1, le=2, description="steps dispatched ahead")
-    max_queue: int = Field(default=10000, ge=1, description="outstanding requests accepted")
+    max_queue: int = Field(
+        default=10000, ge=1, description="outstanding requests accepted in the namespace"
+    )
+    priority_aging_s: float = Field(
+        default=5.0, gt=0.0, description="waiting this long raises effective priority by one"
+    )
+    preempt_margin: float = Field(
+        default=3.0,
+        ge=0.0,
+        description="preempt a running request for a waiting one this much more urgent",
+    )
+    preemption: bool = Field(default=True, description="let urgent requests take busy slots")
     max_request_bytes: int = Field(default=1 << 20, ge=256, description="largest entry accepted")
     max_deliveries: int = Field(default=5, ge=1, description="deliveries before an entry is dead")
     result_ttl_s: int = Field(default=3600, ge=1, description="result stream lifetime")

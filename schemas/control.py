@@ -34,11 +34,16 @@ class PrefillChunk(_Control):
 
 
 class SlotStop(_Control):
-    """End a running request now (cancel or deadline): its rank writes the final chunk."""
+    """End a running request now (cancel or deadline: its rank writes the final chunk), or
+    give its slot back unfinished (`preempted`: the batcher resumes it later)."""
 
     slot: int
     request_id: str
-    finish_reason: str
+    finish_reason: str  # a FinishReason value, or PREEMPTED
+    admission: int = 0
+
+
+PREEMPTED = "preempted"
 
 
 class RankStepPlan(_Control):
@@ -66,6 +71,9 @@ class RequestOutcome(_Control):
     num_new_tokens: int
     finish_reason: str | None = None
     lost: bool = Field(default=False, description="its stream moved on: this rank lost it")
+    released: bool = Field(
+        default=False, description="the rank no longer holds it, unfinished (preempted)"
+    )
 
 
 class StepResult(_Control):

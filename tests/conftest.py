@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -17,8 +18,11 @@ import httpx
 import pytest
 import redis
 
-# Keep the tiny model and any Redis record out of the user's own cache directory.
-os.environ.setdefault("NPUPOOL_HOME", tempfile.mkdtemp(prefix="npupool-tests-"))
+# Keep the tiny model, imported GGUF models (SmolLM2: ~540 MB) and any Redis record out of
+# the user's own cache directory; a directory made here is removed when the session ends.
+OWN_HOME = None if "NPUPOOL_HOME" in os.environ else tempfile.mkdtemp(prefix="npupool-tests-")
+if OWN_HOME is not None:
+    os.environ["NPUPOOL_HOME"] = OWN_HOME
 os.environ.pop("REDIS_URL", None)
 os.environ.pop("NPUPOOL_REDIS_URL", None)
 
@@ -26,6 +30,11 @@ from producer.client import Client  # noqa: E402
 from producer.embedded import EmbeddedRedis  # noqa: E402
 from producer.launcher import PoolProcesses  # noqa: E402
 from schemas.config import Settings  # noqa: E402
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if OWN_HOME is not None:
+        shutil.rmtree(OWN_HOME, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ import msgpack
 
 from producer.client import Client
 from schemas.keys import Keys
-from schemas.messages import FinishReason
+from schemas.messages import FinishReason, Usage
 from tests.helpers import check_stream, wait_until
 
 KEYS = Keys()
@@ -56,12 +56,28 @@ REJECTED = {
     "top-p-zero": ({"sampling": {"top_p": 0.0}}, "invalid_request", "field `sampling.top_p`"),
     "top-p-high": ({"sampling": {"top_p": 1.01}}, "invalid_request", "field `sampling.top_p`"),
     "unknown-field": ({"colour": "blue"}, "invalid_request", "field `colour`"),
+    "bool-ids": (
+        {"prompt_token_ids": [True, False]},
+        "invalid_request",
+        "field `prompt_token_ids.0`: Input should be a valid integer",
+    ),
+    "bool-stop-ids": (
+        {"sampling": {"stop_token_ids": [True]}},
+        "invalid_request",
+        "field `sampling.stop_token_ids.0`",
+    ),
     "too-large": (
         {"metadata": {f"k{i}": "x" * 30 for i in range(30)}, "prompt_token_ids": [5] * 200},
         "too_large",
         "over max_request_bytes=1024",
     ),
 }
+
+
+def request_prompt(fields: dict) -> list[int]:
+    """The prompt ids of a REJECTED case."""
+    return (GOOD | fields).get("prompt_token_ids") or []
+
 
 DEAD = [
     (b"\xc1 not msgpack at all", "not msgpack"),
@@ -82,13 +98,18 @@ def test_every_kind_of_bad_entry_gets_its_outcome_and_good_requests_still_comple
         request = GOOD | {"id": request_id} | fields
         redis_client.xadd(KEYS.requests, {"m": msgpack.packb(request)})
 
-    for request_id, (_, code, text) in REJECTED.items():
+    for request_id, (fields, code, text) in REJECTED.items():
         chunks = list(client.stream(request_id, timeout_s=60))
         assert len(chunks) == 1, request_id
         final = chunks[0]
         assert final.finish_reason == FinishReason.REJECTED, request_id
         assert final.error is not None and final.error.code == code, (request_id, final.error)
         assert text in final.error.message, (request_id, final.error.message)
+        prompt = request_prompt(fields)
+        read = request_id in ("vocab", "too-long", "over-limit")  # rejected after tokenizing
+        assert final.usage is not None, request_id
+        want = Usage(prompt_tokens=len(prompt) if read else 0, completion_tokens=0)
+        assert final.usage == want, (request_id, final.usage)
 
     wait_until(lambda: redis_client.xlen(KEYS.dead) == len(DEAD) + 1, what="dead letters")
     reasons = [f[b"reason"].decode() for _, f in redis_client.xrange(KEYS.dead)]

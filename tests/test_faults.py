@@ -7,9 +7,12 @@ import os
 import random
 import signal
 
+import msgpack
+
 from npu_worker.reference import first_divergence, generate_alone
 from producer.client import Client
 from schemas.keys import Keys
+from schemas.messages import FinishReason
 from tests.helpers import (
     TIE_TOLERANCE,
     check_stream,
@@ -166,7 +169,11 @@ def test_an_entry_delivered_too_often_goes_to_the_dead_letter_stream(
     start_pool(ranks=1, max_deliveries=4)
     wait_until(lambda: redis_client.xlen(KEYS.dead) == 1, what="the dead letter")
     ((_, fields),) = redis_client.xrange(KEYS.dead)
-    assert fields[b"reason"] == b"delivered 5 times without finishing"
+    assert fields[b"reason"].startswith(b"delivered 5 times without finishing (max_deliveries=4)")
     assert fields[b"entry_id"] == entry_id
+    assert msgpack.unpackb(fields[b"m"])["id"] == "poison"
+    (final,) = client.stream("poison", timeout_s=10)
+    assert final.finish_reason == FinishReason.ERROR and final.error is not None
+    assert final.error.code == "max_deliveries" and final.usage is not None
     assert redis_client.xlen(KEYS.requests) == 0
     assert client.generate(prompt="next", max_tokens=3, timeout_s=60).token_ids

@@ -38,7 +38,7 @@ def edit_config(path: Path, **changes: object) -> None:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"architectures": ["GPT2LMHeadModel"]}, "architectures ['GPT2LMHeadModel'] not supported"),
+        ({"architectures": ["GPT2LMHeadModel"]}, "architectures ['GPT2LMHeadModel'] (model_type"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "RoPE type 'yarn'"),
         ({"num_hidden_layers": 3}, "weights missing from the checkpoint"),
         ({"architectures": ["MistralForCausalLM"], "sliding_window": 64}, "sliding-window"),
@@ -53,6 +53,17 @@ def test_an_unsupported_checkpoint_fails_at_load_naming_what_is_wrong(
         load_model(path, "auto", torch.device("cpu"), 256)
 
 
+def test_a_config_without_architectures_loads_by_its_model_type(tmp_path: Path) -> None:
+    path = copy_tiny(tmp_path)
+    edit_config(path, architectures=None)
+    assert load_model(path, "auto", torch.device("cpu"), 256).config.architecture == (
+        "LlamaForCausalLM"
+    )
+    edit_config(path, model_type="gpt2")
+    with pytest.raises(UnsupportedModel, match="model_type 'gpt2'"):
+        load_model(path, "auto", torch.device("cpu"), 256)
+
+
 def test_missing_files_are_named(tmp_path: Path) -> None:
     path = copy_tiny(tmp_path)
     (path / "tokenizer.json").unlink()
@@ -63,10 +74,10 @@ def test_missing_files_are_named(tmp_path: Path) -> None:
 
 
 def test_unavailable_devices_fail_with_what_to_install() -> None:
-    with pytest.raises(RuntimeError, match=r"pip install 'npu-pool\[npu\]'"):
+    with pytest.raises(ValueError, match=r"pip install 'npu-pool\[npu\]'"):
         resolve_device("npu")
     if not torch.cuda.is_available():
-        with pytest.raises(RuntimeError, match="no CUDA device"):
+        with pytest.raises(ValueError, match="no CUDA device"):
             resolve_device("cuda")
         assert resolve_device("auto").type == "cpu"
 

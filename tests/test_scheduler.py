@@ -19,9 +19,9 @@ from batcher.scheduler import (
 DUMMY = PrefillWork("", -1, 0, 0)
 
 
-def make_config(**overrides: int | bool) -> PlannerConfig:
+def make_config(**overrides: float | bool | None) -> PlannerConfig:
     """A one-rank pool with room to spare, unless told otherwise."""
-    values: dict[str, int | bool] = dict(
+    values: dict[str, float | bool | None] = dict(
         num_ranks=1,
         max_num_seqs=64,
         kv_slots_per_rank=8,
@@ -32,16 +32,20 @@ def make_config(**overrides: int | bool) -> PlannerConfig:
     return PlannerConfig(**{**values, **overrides})  # type: ignore[arg-type]
 
 
-def make_state(**overrides: int | bool) -> PoolState:
+def make_state(**overrides: float | bool | None) -> PoolState:
     return PoolState(make_config(**overrides))
 
 
 def submit(
-    state: PoolState, *prompt_lens: int, first: int = 0, max_new_tokens: int = 16, priority: int = 0
+    state: PoolState,
+    *prompt_lens: int,
+    first: int = 0,
+    max_new_tokens: int = 16,
+    urgency: float = 0.0,
 ) -> list[Sequence]:
     """Queue one request per prompt length, named r<order> with order counting from `first`."""
     seqs = [
-        Sequence(f"r{first + i}", n, max_new_tokens, order=first + i, priority=priority)
+        Sequence(f"r{first + i}", n, max_new_tokens, order=first + i, urgency=urgency)
         for i, n in enumerate(prompt_lens)
     ]
     state.waiting.extend(seqs)
@@ -119,7 +123,7 @@ def test_finish_frees_the_slot_and_a_waiting_request_takes_the_lowest_free_one()
     assert sorted(state.running) == ["r1", "r3", "r4", "r5"]
 
 
-def test_higher_priority_is_admitted_first_then_arrival_order() -> None:
+def test_more_urgent_is_admitted_first_then_arrival_order() -> None:
     state = make_state(kv_slots_per_rank=2)
     arrivals = [("a", 0), ("b", 2), ("c", 1), ("d", 2)]
     state.waiting = [Sequence(n, 10, 4, order, p) for order, (n, p) in enumerate(arrivals)]
@@ -127,6 +131,53 @@ def test_higher_priority_is_admitted_first_then_arrival_order() -> None:
     assert ids(state.waiting) == ["c", "a"]
     finish(state, "d")
     assert ids(plan_step(state).admitted) == ["c"]
+
+
+def test_a_much_more_urgent_arrival_preempts_the_least_urgent_running_request() -> None:
+    state = make_state(max_num_seqs=2, preempt_margin=3.0)
+    submit(state, 10, urgency=1.0)
+    submit(state, 10, first=1, urgency=0.5)
+    plan_step(state)
+    (late,) = submit(state, 10, first=2, urgency=3.6)
+    plan = plan_step(state)
+    assert (ids(plan.admitted), ids(plan.preempted)) == ([], ["r1"])
+    assert state.running["r1"].stopping and state.running["r1"].preempting
+    assert launch_ids(plan) == [{0: ["r0"]}]  # the preempted request gets no more work
+    assert ids(plan_step(state).preempted) == []  # one preemption per waiting request
+    finish(state, "r1")  # its rank gave the slot back
+    assert ids(plan_step(state).admitted) == ["r2"] and late.slot == 1
+
+
+def test_no_preemption_within_the_margin_or_when_disabled() -> None:
+    for margin, urgency in ((3.0, 3.5), (None, 100.0)):
+        state = make_state(max_num_seqs=1, preempt_margin=margin)
+        submit(state, 10, urgency=0.5)
+        plan_step(state)
+        submit(state, 10, first=1, urgency=urgency)
+        plan = plan_step(state)
+        assert (plan.admitted, plan.preempted) == ([], [])
+
+
+def test_an_isolated_request_waits_for_an_empty_rank_and_then_runs_alone() -> None:
+    state = make_state(num_ranks=2, kv_slots_per_rank=2)
+    submit(state, 10, 10, 10)  # ranks 0 and 1 busy (two on rank 0)
+    plan_step(state)
+    (suspect,) = submit(state, 10, first=3)
+    suspect.isolated = True
+    submit(state, 10, first=4)
+    assert plan_step(state).admitted == []  # no empty rank: it waits, and the queue with it
+    finish(state, "r1")  # rank 1 empties
+    assert ids(plan_step(state).admitted) == ["r3"] and suspect.rank == 1
+    assert ids(plan_step(state).admitted) == []  # rank 1 is its own; rank 0 is full
+    finish(state, "r0")
+    assert [(s.request_id, s.rank) for s in plan_step(state).admitted] == [("r4", 0)]
+
+
+def test_prefill_chunks_go_to_the_most_urgent_request_first() -> None:
+    state = make_state(prefill_slots=1)
+    submit(state, 300)
+    submit(state, 300, first=1, urgency=2.0)
+    assert [w.request_id for w in plan_step(state).prefill[0]] == ["r1"]
 
 
 def test_request_completing_its_prompt_does_not_decode_in_the_same_step() -> None:
@@ -216,7 +267,9 @@ def test_lockstep_pads_every_rank_to_the_same_number_of_launches() -> None:
     assert plan.prefill == {0: [DUMMY, DUMMY], 1: [PREFILL_P0, PREFILL_P1], 2: [PREFILL_P2, DUMMY]}
 
 
-@pytest.mark.parametrize("name", [f.name for f in fields(PlannerConfig) if f.name != "lockstep"])
+@pytest.mark.parametrize(
+    "name", [f.name for f in fields(PlannerConfig) if f.name not in ("lockstep", "preempt_margin")]
+)
 @pytest.mark.parametrize("value", [0, -1])
 def test_config_rejects_limits_below_one(name: str, value: int) -> None:
     with pytest.raises(ValueError, match=f"{name} must be >= 1, got {value}"):

@@ -1,5 +1,7 @@
-"""The step planner (DESIGN §3) in hypothesis-driven pool simulations: every plan respects
-capacity, chunking and launch shape; every request finishes; admission keeps its order."""
+"""The step planner in hypothesis-driven pool simulations: every plan respects capacity,
+chunking and launch shape; every request finishes, however many more urgent ones keep
+arriving; admission follows effective priority, FIFO among equals; preempted requests
+resume where they were."""
 
 from __future__ import annotations
 
@@ -27,6 +29,15 @@ class Trace:
     admitted: list[Sequence]
     finished: dict[str, Sequence]
     num_steps: int
+    num_preempted: int = 0
+
+
+AGING_STEPS = 4  # steps of waiting that raise a simulated request's priority by one
+
+
+def urgency_of(priority: int, step: int) -> float:
+    """The planner's order key for a request of `priority` arriving at `step`."""
+    return priority - step / AGING_STEPS
 
 
 Before = dict[str, tuple[int, int]]  # request_id -> (num_prefilled, num_planned_tokens) pre-plan
@@ -34,6 +45,7 @@ Check = Callable[[PoolState, StepPlan, Before], None]
 
 configs = st.builds(
     PlannerConfig,
+    preempt_margin=st.none() | st.floats(0.0, 4.0),
     num_ranks=st.integers(1, 8),
     max_num_seqs=st.integers(1, 64),
     kv_slots_per_rank=st.integers(1, 16),
@@ -60,21 +72,36 @@ def step_bound(config: PlannerConfig, arrivals: list[Arrival]) -> int:
     return max((a.step for a in arrivals), default=0) + work + 2
 
 
-def simulate(config: PlannerConfig, arrivals: list[Arrival], *checks: Check) -> Trace:
-    """Run the pool until every request has finished, calling `checks` on every plan."""
+def simulate(
+    config: PlannerConfig, arrivals: list[Arrival], *checks: Check, max_steps: int | None = None
+) -> Trace:
+    """Run the pool until every request has finished (or `max_steps`), calling `checks` on
+    every plan. A preempted request gives its slot back at the next step and re-enters with
+    its prompt plus what it generated, as the batcher resumes it."""
     state = PoolState(config)
     pending = sorted(enumerate(arrivals), key=lambda item: (item[1].step, item[0]))
-    ends: dict[str, int] = {}  # planned-token count at which each request is finished
+    ends: dict[str, int] = {}  # completion tokens at which each request is finished
+    done: dict[str, int] = {}  # completion tokens produced before the current admission
+    releasing: list[Sequence] = []
     trace = Trace(admitted=[], finished={}, num_steps=0)
-    bound = step_bound(config, arrivals)
+    bound = step_bound(config, arrivals) if max_steps is None else max_steps
     while pending or state.waiting or state.running:
-        assert trace.num_steps < bound, f"starvation: {len(trace.finished)}/{len(arrivals)} done"
+        if trace.num_steps >= bound:
+            assert max_steps is not None, f"starvation: {len(trace.finished)}/{len(arrivals)}"
+            break
+        for seq in releasing:
+            finish(state, seq.request_id)
+            done[seq.request_id] += seq.num_planned_tokens
+            state.waiting.append(resumed(seq))
+        releasing = []
         while pending and pending[0][1].step <= trace.num_steps:
             index, a = pending.pop(0)
             request_id = f"r{index}"
-            seq = Sequence(request_id, a.num_prompt_tokens, a.max_new_tokens, len(ends), a.priority)
+            urgency = urgency_of(a.priority, a.step)
+            seq = Sequence(request_id, a.num_prompt_tokens, a.max_new_tokens, len(ends), urgency)
             state.waiting.append(seq)
             ends[request_id] = a.max_new_tokens if a.stop_at is None else a.stop_at
+            done[request_id] = 0
         before = {
             s.request_id: (s.num_prefilled, s.num_planned_tokens)
             for s in [*state.waiting, *state.running.values()]
@@ -83,12 +110,28 @@ def simulate(config: PlannerConfig, arrivals: list[Arrival], *checks: Check) -> 
         for check in checks:
             check(state, plan, before)
         trace.admitted += plan.admitted
+        releasing += plan.preempted
+        trace.num_preempted += len(plan.preempted)
         for seq in list(state.running.values()):
-            if seq.num_planned_tokens >= min(seq.max_new_tokens, ends[seq.request_id]):
+            produced = done[seq.request_id] + seq.num_planned_tokens
+            if seq.preempting:
+                continue
+            if seq.num_planned_tokens >= seq.max_new_tokens or produced >= ends[seq.request_id]:
                 finish(state, seq.request_id)
                 trace.finished[seq.request_id] = seq
         trace.num_steps += 1
     return trace
+
+
+def resumed(seq: Sequence) -> Sequence:
+    """A preempted request as it re-enters: its generated tokens join its prompt."""
+    return Sequence(
+        seq.request_id,
+        seq.num_prompt_tokens + seq.num_planned_tokens,
+        seq.max_new_tokens - seq.num_planned_tokens,
+        seq.order,
+        seq.urgency,
+    )
 
 
 def check_capacity_and_chunks(state: PoolState, plan: StepPlan, before: Before) -> None:
@@ -129,9 +172,10 @@ def check_capacity_and_chunks(state: PoolState, plan: StepPlan, before: Before) 
 def check_launch_shape(state: PoolState, plan: StepPlan, before: Before) -> None:
     """max over ranks of ceil(rows / decode_batch) launches; lockstep pads, otherwise no padding."""
 
-    def decodes(seq: Sequence) -> bool:
+    def decodes(seq: Sequence) -> bool:  # a preempted request (stopping) decodes no more
         prefilled, planned = before[seq.request_id]
-        return prefilled >= seq.num_prompt_tokens and planned < seq.max_new_tokens
+        was_decoding = prefilled >= seq.num_prompt_tokens and planned < seq.max_new_tokens
+        return was_decoding and not seq.stopping
 
     per_rank = [
         sum(1 for s in state.running.values() if s.rank == r and decodes(s))
@@ -152,7 +196,7 @@ def check_launch_shape(state: PoolState, plan: StepPlan, before: Before) -> None
 def check_admission_order(state: PoolState, plan: StepPlan, before: Before) -> None:
     """Whatever still waits ranks after every request admitted this step."""
     for seq in plan.admitted:
-        assert all((-w.priority, w.order) > (-seq.priority, seq.order) for w in state.waiting), (
+        assert all((-w.urgency, w.order) > (-seq.urgency, seq.order) for w in state.waiting), (
             "a request was admitted ahead of an older one of equal or higher priority"
         )
 
@@ -175,8 +219,11 @@ def test_every_request_finishes_within_a_bounded_number_of_steps(
     for i, a in enumerate(arrivals):
         seq = trace.finished[f"r{i}"]
         if a.stop_at is None or a.stop_at >= a.max_new_tokens:  # ran to its limit, not to EOS
-            assert seq.num_prefilled == a.num_prompt_tokens
-            assert seq.num_planned_tokens == a.max_new_tokens
+            # with every resumption, prompt + planned tokens add up to the whole request
+            assert seq.num_prefilled == seq.num_prompt_tokens
+            assert seq.num_prompt_tokens + seq.num_planned_tokens == (
+                a.num_prompt_tokens + a.max_new_tokens
+            )
 
 
 @settings(max_examples=200, deadline=None)
@@ -185,6 +232,36 @@ def test_admission_follows_priority_then_arrival_order(
     config: PlannerConfig, arrivals: list[Arrival]
 ) -> None:
     trace = simulate(config, arrivals, check_admission_order)
-    for priority in range(3):
-        orders = [s.order for s in trace.admitted if s.priority == priority]
+    first = {}
+    for seq in trace.admitted:
+        first.setdefault(seq.request_id, seq)
+    for priority in range(3):  # FIFO within a priority: equal aging keeps their order
+        orders = [
+            s.order for s in first.values() if arrivals[int(s.request_id[1:])].priority == priority
+        ]
         assert orders == sorted(orders)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    priority=st.integers(-9, 8),
+    gap=st.integers(1, 3),
+    margin=st.none() | st.floats(0.0, 6.0),
+    victim_tokens=st.integers(1, 12),
+    arrival_tokens=st.integers(1, 6),
+)
+def test_a_request_finishes_within_its_bound_however_many_more_urgent_ones_arrive(
+    priority: int, gap: int, margin: float | None, victim_tokens: int, arrival_tokens: int
+) -> None:
+    config = PlannerConfig(1, 1, 1, 1, 128, 1, preempt_margin=margin)
+    victim = Arrival(0, 8, victim_tokens, priority, None)
+    window = (9 - priority) * AGING_STEPS  # after this, a fresh priority-9 arrival ranks lower
+    service = 2 + arrival_tokens + 1  # prefill (resumed ones too) + decode + slack, one slot
+    ahead = window // gap + 2  # arrivals that can rank above the victim or preempt it
+    bound = window + (ahead + 1) * (service + 2 * victim_tokens)
+    flood = [Arrival(step, 4, arrival_tokens, 9, None) for step in range(1, bound, gap)]
+    trace = simulate(config, [victim, *flood], max_steps=bound)
+    assert "r0" in trace.finished, f"priority {priority} starved for {bound} steps"
+    assert trace.finished["r0"].num_prompt_tokens + trace.finished["r0"].num_planned_tokens == (
+        8 + victim_tokens
+    )
