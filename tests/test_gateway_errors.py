@@ -118,11 +118,14 @@ def test_api_keys_are_required_when_set_and_health_stays_open(
 def test_oversized_bodies_bad_json_and_bad_request_ids_are_refused(
     start_pool: StartPool, start_gateway: StartGateway
 ) -> None:
-    start_pool(ranks=1)
+    start_pool(ranks=1, max_request_bytes=1024)
     gateway = start_gateway("--max-body-bytes", "2048")
     url = gateway.url + "/v1/completions"
     big = httpx.post(url, json={"model": "tiny", "prompt": "x" * 4096})
     assert big.status_code == 413 and "2048" in big.json()["error"]["message"]
+    # under the gateway's limit, over the pool's max_request_bytes once encoded
+    over = httpx.post(url, json={"model": "tiny", "prompt": "y" * 1500})
+    assert over.status_code == 413 and "max_request_bytes=1024" in over.json()["error"]["message"]
     not_json = httpx.post(url, content=b"{nope", headers={"content-type": "application/json"})
     assert not_json.status_code == 400 and "not JSON" in not_json.json()["error"]["message"]
     bad_id = httpx.post(url, json={"model": "tiny", "prompt": "x"}, headers={"X-Request-Id": "a b"})
