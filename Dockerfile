@@ -15,7 +15,7 @@ COPY producer producer
 COPY batcher batcher
 COPY npu_worker npu_worker
 RUN pip install --no-cache-dir "${TORCH_SPEC}" "${TORCH_NPU_SPEC}" \
-    && pip install --no-cache-dir ".[npu]"
+    && pip install --no-cache-dir ".[all,npu]"
 ENV NPUPOOL_DEVICE=npu
 CMD ["npu-pool", "up"]
 
@@ -31,5 +31,5 @@ COPY schemas schemas
 COPY producer producer
 COPY batcher batcher
 COPY npu_worker npu_worker
-RUN pip install --no-cache-dir .
+RUN pip install --no-cache-dir ".[all]"
 CMD ["npu-pool", "up"]

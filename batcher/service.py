@@ -213,6 +213,8 @@ class Batcher:
                 "batcher_pid": os.getpid(),
                 "batcher_host": socket.gethostname(),
                 "ranks": self.settings.ranks,
+                "model": self.settings.model,
+                "max_model_len": self.settings.max_model_len,
                 "started_ms": int(time.time() * 1000),
             },
         )

@@ -3,6 +3,7 @@ the same run on the same model and machine (docs/architecture.md §10).
 
     npu-pool bench [--quick] [--json out.json] [--plot out.png] [settings flags]
     npu-pool bench --kernels [...]        the launch microbenchmark alone
+    npu-pool bench --http [--http-url URL --http-model NAME]   also through HTTP (OpenAI protocol)
 
 The pool runs on a private embedded Redis. The ceiling and the peers run in their own
 processes (this one never imports torch); the peers need the `bench` extra.
@@ -22,6 +23,7 @@ from typing import Any
 
 from rich.console import Console
 
+from producer.bench_http import http_level, print_http, start_gateway
 from producer.client import Client
 from producer.embedded import EmbeddedRedis
 from producer.launcher import PoolProcesses
@@ -48,6 +50,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--no-peers", action="store_true", help="skip the transformers peers")
     parser.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=100.0)
+    parser.add_argument(
+        "--http", action="store_true", help="also drive each level through `npu-pool gateway`"
+    )
+    parser.add_argument(
+        "--http-url", default=None, help="also drive this OpenAI-compatible server (…/v1)"
+    )
+    parser.add_argument("--http-model", default=None, help="model name at --http-url")
+    parser.add_argument("--http-api-key", default=None, help="Bearer key for --http-url")
     add_settings_flags(parser)
     args = parser.parse_args(argv)
     try:
@@ -65,6 +75,8 @@ def main(argv: list[str]) -> int:
         print(f"npu-pool bench: {exc}", file=sys.stderr)
         return 1
     print_report(report)
+    if args.http or args.http_url:
+        print_http(report)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2))
@@ -84,6 +96,7 @@ def run(
         settings.model_copy(update={"redis_url": url}), url, log_dir=workdir / "logs"
     )
     report: dict[str, Any] = {"settings": settings.model_dump(exclude={"redis_url"}), "levels": []}
+    gateway = None
     try:
         processes.start()
         with Client(url, settings.namespace) as client:
@@ -95,6 +108,8 @@ def run(
                 600,
                 processes.supervise,
             )
+            if args.http:
+                gateway = start_gateway(url, settings.namespace, workdir / "gateway.log")
             for level in levels:
                 before = pool_status(client.redis, client.keys, settings.pool, 0)
                 workload = Workload(
@@ -108,6 +123,7 @@ def run(
                 summary = summarise(traces, wall, args.slo_ttft_ms, args.slo_tpot_ms)
                 summary["concurrency"] = level
                 summary |= _pool_counters(client, settings, before)
+                summary |= http_level(args, settings.model, gateway, workload, summary)
                 report["levels"].append(summary)
                 print(
                     f"  concurrency {level:>4}: {summary['output_tokens_per_s']:8.0f} tokens/s,"
@@ -121,6 +137,8 @@ def run(
             report["rq_peer"] = _rq_peer(url, settings, args, peer_requests)
             report["offline_peer"] = _offline_peer(settings, args)
     finally:
+        if gateway is not None:
+            gateway.stop()
         processes.stop(timeout_s=30)
         server.stop()
     report["planner_us_per_step"] = _planner_us()

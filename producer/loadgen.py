@@ -7,6 +7,7 @@ import asyncio
 import random
 import statistics
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,30 +68,38 @@ async def _one(client: AsyncClient, prompt: list[int], max_tokens: int) -> Trace
     return trace
 
 
-async def run_workload(url: str, namespace: str, workload: Workload) -> tuple[list[Trace], float]:
-    """Send the workload; returns every request's trace and the wall time."""
-    client = AsyncClient(url, namespace, max_queue=10**9)
+OneRequest = Callable[[list[int], int], Awaitable[Trace]]
+
+
+async def drive(workload: Workload, one: OneRequest) -> tuple[list[Trace], float]:
+    """Send the workload through `one(prompt, max_tokens)`; every trace and the wall time."""
     requests = workload.requests()
     rng = random.Random(workload.seed + 1)
     started = time.monotonic()
+    if workload.rate:
+        tasks: list[asyncio.Future[Trace]] = []
+        for prompt, max_tokens in requests:
+            tasks.append(asyncio.ensure_future(one(prompt, max_tokens)))
+            await asyncio.sleep(rng.expovariate(workload.rate))
+        traces = list(await asyncio.gather(*tasks))
+    else:
+        limit = asyncio.Semaphore(workload.concurrency or 1)
+
+        async def bounded(prompt: list[int], max_tokens: int) -> Trace:
+            async with limit:
+                return await one(prompt, max_tokens)
+
+        traces = list(await asyncio.gather(*(bounded(p, m) for p, m in requests)))
+    return traces, time.monotonic() - started
+
+
+async def run_workload(url: str, namespace: str, workload: Workload) -> tuple[list[Trace], float]:
+    """Send the workload with the Redis client; returns every request's trace and the wall time."""
+    client = AsyncClient(url, namespace, max_queue=10**9)
     try:
-        if workload.rate:
-            tasks = []
-            for prompt, max_tokens in requests:
-                tasks.append(asyncio.create_task(_one(client, prompt, max_tokens)))
-                await asyncio.sleep(rng.expovariate(workload.rate))
-            traces = list(await asyncio.gather(*tasks))
-        else:
-            limit = asyncio.Semaphore(workload.concurrency or 1)
-
-            async def bounded(prompt: list[int], max_tokens: int) -> Trace:
-                async with limit:
-                    return await _one(client, prompt, max_tokens)
-
-            traces = list(await asyncio.gather(*(bounded(p, m) for p, m in requests)))
+        return await drive(workload, lambda prompt, max_tokens: _one(client, prompt, max_tokens))
     finally:
         await client.close()
-    return traces, time.monotonic() - started
 
 
 def percentiles(values: list[float]) -> dict[str, float]:

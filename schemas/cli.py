@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from schemas.extras import COMMAND_EXTRAS, MissingExtra, extra_for, require
+
 # subcommand -> (module, function, one-line help); modules load only when called,
 # so `npu-pool submit` never imports torch.
 COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -22,6 +24,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "batch": ("producer.batch_cli", "main", "offline batch jobs through RQ"),
     "bench": ("producer.bench", "main", "benchmarks: --kernels for the launch microbenchmark"),
     "models": ("npu_worker.models_cli", "main", "models import FILE.gguf: a model directory"),
+    "gateway": (
+        "producer.gateway.cli",
+        "main",
+        "OpenAI-compatible HTTP front with resumable SSE result streams",
+    ),
 }
 
 
@@ -44,8 +51,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"npu-pool: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
     module_name, function_name, _ = COMMANDS[name]
-    function = getattr(importlib.import_module(module_name), function_name)
-    return int(function(rest) or 0)
+    try:
+        if name in COMMAND_EXTRAS:
+            require(COMMAND_EXTRAS[name])
+        function = getattr(importlib.import_module(module_name), function_name)
+        return int(function(rest) or 0)
+    except ModuleNotFoundError as exc:  # an optional dependency: name the extra that has it
+        extra = extra_for(exc.name, name)
+        if extra is None:
+            raise
+        print(f"npu-pool {name}: {MissingExtra(extra, exc.name or '')}", file=sys.stderr)
+        return 2
+    except MissingExtra as exc:
+        print(f"npu-pool {name}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

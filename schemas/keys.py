@@ -91,6 +91,10 @@ class Keys:
         """Result stream of one request."""
         return f"{self.ns}:result:{request_id}"
 
+    def wake(self, name: str) -> str:
+        """A subscriber's private stream, written to wake its own blocked XREAD."""
+        return f"{self.ns}:wake:{name}"
+
     def pool(self, pool: str) -> str:
         """Hash describing a pool: state, batcher pid/host, ranks, model facts."""
         return f"{self.ns}:pool:{pool}:info"

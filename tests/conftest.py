@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
+import subprocess
+import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 import redis
 
@@ -116,3 +121,63 @@ def start_pool(redis_url: str, tmp_path: Path) -> Iterator[StartPool]:
         text = log.read_text(errors="replace")
         if "Traceback" in text:
             print(f"--- {log} ---\n{text[-4000:]}")
+
+
+@dataclass
+class RunningGateway:
+    """An `npu-pool gateway` process started by a test, and its base URL."""
+
+    url: str
+    process: subprocess.Popen[bytes]
+
+
+StartGateway = Callable[..., RunningGateway]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture
+def start_gateway(redis_url: str, tmp_path: Path) -> Iterator[StartGateway]:
+    """Start `npu-pool gateway` processes on the test Redis; `ready=True` waits until /health
+    is 200 (a ready pool), else only until it answers. Stopped after the test."""
+    started: list[tuple[RunningGateway, Path]] = []
+
+    def start(*flags: str, ready: bool = True, env: dict[str, str] | None = None) -> RunningGateway:
+        port = _free_port()
+        log_path = tmp_path / f"gateway-{port}.log"
+        with open(log_path, "wb") as log:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "schemas.cli", "gateway", "--port", str(port)]
+                + ["--redis-url", redis_url, *flags],
+                env={**os.environ, **(env or {})},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        gateway = RunningGateway(f"http://127.0.0.1:{port}", process)
+        started.append((gateway, log_path))
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and process.poll() is None:
+            try:
+                status = httpx.get(gateway.url + "/health", timeout=2).status_code
+                if status == 200 or not ready:
+                    return gateway
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"gateway did not come up: {log_path.read_text()[-2000:]}")
+
+    yield start
+    for gateway, log_path in started:
+        gateway.process.terminate()
+        try:
+            gateway.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            gateway.process.kill()
+            gateway.process.wait()
+        text = log_path.read_text(errors="replace")
+        if "Traceback" in text:
+            print(f"--- {log_path} ---\n{text[-4000:]}")

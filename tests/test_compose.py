@@ -22,6 +22,8 @@ def parser_for(command: str) -> argparse.ArgumentParser:
         from npu_worker.service import build_parser
     elif command == "batch":
         from producer.batch_cli import build_parser
+    elif command == "gateway":
+        from producer.gateway.cli import build_parser
     else:
         pytest.fail(f"no flag check for `npu-pool {command}` yet")
     return build_parser()
@@ -30,7 +32,7 @@ def parser_for(command: str) -> argparse.ArgumentParser:
 def test_every_compose_service_runs_a_real_npu_pool_command_with_valid_flags() -> None:
     services = yaml.safe_load(COMPOSE.read_text())["services"]
     pool_services = {name: s for name, s in services.items() if "npu-pool" in s.get("command", [])}
-    assert {"batcher", "worker-0", "worker-1", "batch-worker"} <= set(pool_services)
+    assert {"batcher", "worker-0", "worker-1", "batch-worker", "gateway"} <= set(pool_services)
     for name, service in pool_services.items():
         program, command, *flags = service["command"]
         assert program == "npu-pool" and command in COMMANDS, name
