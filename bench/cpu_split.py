@@ -26,22 +26,40 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def children(pid: int) -> list[int]:
+    """Direct child processes of a process (a rank's output process)."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(p) for p in (task / "children").read_text().split()]
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--requests", type=int, default=320)
+    parser.add_argument("--decode-batch", type=int, default=8)
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="npupool-split-"))
     server = EmbeddedRedis(data_dir=workdir / "redis")
     url = server.start()
     settings = Settings(
-        redis_url=url, ranks=1, pool="split", max_num_seqs=128, kv_slots_per_rank=128
+        redis_url=url,
+        ranks=1,
+        pool="split",
+        max_num_seqs=128,
+        kv_slots_per_rank=128,
+        decode_batch=args.decode_batch,
+        device="cpu",
     )
     processes = PoolProcesses(settings, url, log_dir=workdir / "logs")
     try:
         processes.start()
         Client(url).wait_ready(300, pool="split")
         pids = {c.name: c.process.pid for c in processes.children if c.process}
+        for name, pid in list(pids.items()):
+            for child in children(pid):
+                pids[f"{name} output"] = child
         pids["redis"] = server.process.pid if server.process else 0
         before = {name: cpu_seconds(pid) for name, pid in pids.items()}
         own = resource.getrusage(resource.RUSAGE_SELF)

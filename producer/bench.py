@@ -23,6 +23,7 @@ from typing import Any
 
 from rich.console import Console
 
+from producer.bench_ceiling import workload_ceiling
 from producer.bench_http import http_level, print_http, start_gateway
 from producer.client import Client
 from producer.embedded import EmbeddedRedis
@@ -132,6 +133,11 @@ def run(
                 )
         processes.stop(timeout_s=30)
         report["ceiling"] = _kernel_ceiling(settings)
+        for level in report["levels"]:
+            workload = Workload(
+                per_level, tuple(args.prompt_len), tuple(args.output_len), seed=level["concurrency"]
+            )
+            level["workload_ceiling"] = workload_ceiling(report["ceiling"], workload, settings)
         if not args.no_peers:
             peer_requests = args.peer_requests or (16 if args.quick else 64)
             report["rq_peer"] = _rq_peer(url, settings, args, peer_requests)
@@ -168,7 +174,15 @@ def _pool_counters(client: Client, settings: Settings, before: dict[str, Any]) -
     padding = after["padding_rows"] - before["padding_rows"]
     proposed = after["mtp"]["proposed"] - before["mtp"]["proposed"]
     accepted = after["mtp"]["accepted"] - before["mtp"]["accepted"]
+    spent = {k: after["rank_time_us"][k] - before["rank_time_us"][k] for k in ("exec", "launch")}
+    idle = after["rank_time_us"]["idle"] - before["rank_time_us"]["idle"]
     return {
+        # where the ranks' model threads spent the level: waiting for a plan, and the share
+        # of their steps outside launches (host time)
+        "rank_idle_share": idle / (idle + spent["exec"]) if idle + spent["exec"] else None,
+        "rank_host_share": (spent["exec"] - spent["launch"]) / spent["exec"]
+        if spent["exec"]
+        else None,
         "decode_launches": launches,
         "padding_waste": padding / (launches * settings.decode_batch) if launches else 0.0,
         "mtp_acceptance": accepted / proposed if proposed else None,
@@ -312,7 +326,11 @@ def ratios(report: dict[str, Any]) -> dict[str, float | None]:
     best = max(level["output_tokens_per_s"] for level in levels)
     at_64 = next((lv["output_tokens_per_s"] for lv in levels if lv["concurrency"] == 64), best)
     out: dict[str, float | None] = {
-        "pool_over_ceiling": best / report["ceiling"]["output_tokens_per_s"]
+        "pool_over_ceiling": best / report["ceiling"]["output_tokens_per_s"],
+        "pool_over_workload_ceiling": max(
+            lv["output_tokens_per_s"] / lv["workload_ceiling"]["output_tokens_per_s"]
+            for lv in levels
+        ),
     }
     if "rq_peer" in report:
         out["pool_over_rq_peer_at_64"] = at_64 / report["rq_peer"]["output_tokens_per_s"]
@@ -325,15 +343,22 @@ def print_report(report: dict[str, Any]) -> None:
     """The levels table, the comparison and the ratios."""
     print(
         f"{'conc':>5}{'tok/s':>9}{'req/s':>8}{'TTFT p50':>10}{'p99':>8}{'TPOT p50':>10}"
-        f"{'ITL p99':>9}{'e2e p50':>9}{'goodput':>9}{'pad':>6}"
+        f"{'ITL p99':>9}{'e2e p50':>9}{'goodput':>9}{'pad':>6}{'ceil':>8}{'idle':>6}{'host':>6}"
     )
     for lv in report["levels"]:
+        ceiling = lv.get("workload_ceiling", {}).get("output_tokens_per_s")
         print(
             f"{lv['concurrency']:>5}{lv['output_tokens_per_s']:>9.0f}"
             f"{lv['requests_per_s']:>8.1f}{lv['ttft_ms']['p50']:>10.0f}{lv['ttft_ms']['p99']:>8.0f}"
             f"{lv['tpot_ms']['p50']:>10.1f}{lv['itl_ms']['p99']:>9.1f}{lv['e2e_ms']['p50']:>9.0f}"
             f"{lv['goodput_requests_per_s']:>9.1f}{lv['padding_waste']:>6.0%}"
+            f"{_share(lv['output_tokens_per_s'] / ceiling if ceiling else None):>8}"
+            f"{_share(lv.get('rank_idle_share')):>6}{_share(lv.get('rank_host_share')):>6}"
         )
+    print(
+        "ceil: share of the workload ceiling (its launches back to back); idle: ranks waiting "
+        "for a plan; host: share of steps outside launches"
+    )
     print(f"kernel ceiling: {report['ceiling']['output_tokens_per_s']:.0f} tokens/s")
     print(
         f"planner: {report['planner_us_per_step']:.0f} us per step "
@@ -344,6 +369,10 @@ def print_report(report: dict[str, Any]) -> None:
             print(f"{peer.replace('_', ' ')}: {report[peer]['output_tokens_per_s']:.0f} tokens/s")
     for name, value in report["ratios"].items():
         print(f"{name}: {value:.2f}x" if value is not None else f"{name}: n/a")
+
+
+def _share(value: float | None) -> str:
+    return "" if value is None else f"{value:.0%}"
 
 
 def plot(report: dict[str, Any], path: Path) -> None:

@@ -73,6 +73,11 @@ def pool_status(client: redis.Redis, keys: Keys, pool: str, now_ms: int) -> dict
         "decode_launches": _int(info, "decode_launches"),
         "padding_rows": _int(info, "padding_rows"),
         "preempted": _int(info, "preempted"),
+        "rank_time_us": {
+            "exec": _int(info, "rank_exec_us"),
+            "launch": _int(info, "rank_launch_us"),
+            "idle": _int(info, "rank_idle_us"),
+        },
         "mtp": mtp_summary(_int(info, "mtp_proposed"), _int(info, "mtp_accepted")),
     }
 
