@@ -37,8 +37,9 @@ def rank_plans(
     for launch in plan.decode_launches:
         for rank, rows in launch.items():
             for_rank(rank).decode_launches.append([seq.slot for seq in rows])
-    for rank, chunks in plan.prefill.items():
+    for rank, launches in plan.prefill.items():
         for_rank(rank).prefill.extend(
-            PrefillChunk(slot=c.slot, start=c.start, num_tokens=c.num_tokens) for c in chunks
+            [PrefillChunk(slot=c.slot, start=c.start, num_tokens=c.num_tokens) for c in launch]
+            for launch in launches
         )
     return [plans[rank] for rank in sorted(plans)]

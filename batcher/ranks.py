@@ -49,6 +49,7 @@ class RankRegistry:
         self.incarnations: dict[int, str] = {}
         self.retired: set[str] = set()
         self.vocab_size = 0
+        self.packs: dict[int, bool] = {}  # rank -> it runs packed prefill launches
         self._mark_lost = client.register_script(MARK_LOST_SCRIPT)
 
     def poll(self) -> RankChanges:
@@ -73,6 +74,7 @@ class RankRegistry:
             if known is None and alive and incarnation and incarnation not in self.retired:
                 self.incarnations[rank] = incarnation
                 self.vocab_size = int(info.get(b"vocab_size", 0))
+                self.packs[rank] = info.get(b"packs", b"0") == b"1"
                 changes.joined.append(rank)
         return changes
 

@@ -22,6 +22,8 @@ class PlannerConfig:
     prefill_slots: int
     lockstep: bool = False
     preempt_margin: float | None = None  # None: never preempt
+    pack_prefill: bool = False  # several requests' chunks share a prefill launch
+    prefill_segments: int = 8  # requests in one packed prefill launch, at most
 
     def __post_init__(self) -> None:
         for name in (
@@ -31,6 +33,7 @@ class PlannerConfig:
             "decode_batch",
             "prefill_chunk",
             "prefill_slots",
+            "prefill_segments",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -82,7 +85,7 @@ class Sequence:
 
 @dataclass(slots=True)
 class PrefillWork:
-    """One prefill launch: tokens [start, start + num_tokens) of a request."""
+    """One request's segment of a prefill launch: its tokens [start, start + num_tokens)."""
 
     request_id: str
     slot: int
@@ -97,7 +100,7 @@ class StepPlan:
     admitted: list[Sequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     decode_launches: list[dict[int, list[Sequence]]] = field(default_factory=list)
-    prefill: dict[int, list[PrefillWork]] = field(default_factory=dict)
+    prefill: dict[int, list[list[PrefillWork]]] = field(default_factory=dict)  # launches
 
     @property
     def is_empty(self) -> bool:
@@ -272,23 +275,35 @@ def _plan_decode(
 
 def _plan_prefill(
     by_rank: dict[int, list[Sequence]], config: PlannerConfig
-) -> dict[int, list[PrefillWork]]:
-    """Up to `prefill_slots` chunks per rank, oldest request first."""
-    prefill: dict[int, list[PrefillWork]] = {}
+) -> dict[int, list[list[PrefillWork]]]:
+    """Up to `prefill_slots` launches per rank of up to `prefill_chunk` tokens each, filled
+    most urgent request first. Packed, a launch holds segments of several requests back to
+    back (a long prompt's last part shares its launch with the next prompts); unpacked, one
+    request's chunk. An empty launch is a lockstep dummy."""
+    prefill: dict[int, list[list[PrefillWork]]] = {}
+    per_launch = config.prefill_segments if config.pack_prefill else 1
     for rank, seqs in by_rank.items():
         pending = sorted((s for s in seqs if s.wants_prefill), key=lambda s: (-s.urgency, s.order))
-        chunks = []
-        for seq in pending[: config.prefill_slots]:
-            num_tokens = min(config.prefill_chunk, seq.num_prompt_tokens - seq.num_prefilled)
-            chunks.append(PrefillWork(seq.request_id, seq.slot, seq.num_prefilled, num_tokens))
-            seq.num_prefilled += num_tokens
-            if seq.is_prefilled:
-                seq.num_planned_tokens += 1  # the step that completes a prompt samples a token
-        if chunks:
-            prefill[rank] = chunks
+        launches: list[list[PrefillWork]] = []
+        while pending and len(launches) < config.prefill_slots:
+            room, launch = config.prefill_chunk, list[PrefillWork]()
+            while pending and room and len(launch) < per_launch:
+                seq = pending[0]
+                num_tokens = min(room, seq.num_prompt_tokens - seq.num_prefilled)
+                launch.append(PrefillWork(seq.request_id, seq.slot, seq.num_prefilled, num_tokens))
+                seq.num_prefilled += num_tokens
+                room -= num_tokens
+                if seq.is_prefilled:
+                    seq.num_planned_tokens += 1  # the step that completes a prompt samples a token
+                    pending.pop(0)
+                elif not config.pack_prefill:
+                    pending.pop(0)  # unpacked: one chunk per request per step, as before
+            launches.append(launch)
+        if launches:
+            prefill[rank] = launches
     if config.lockstep and prefill:
         most = max(len(c) for c in prefill.values())
         for rank in by_rank:
-            chunks = prefill.setdefault(rank, [])
-            chunks += [PrefillWork("", -1, 0, 0) for _ in range(most - len(chunks))]
+            launches = prefill.setdefault(rank, [])
+            launches += [[] for _ in range(most - len(launches))]
     return prefill

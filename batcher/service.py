@@ -17,6 +17,7 @@ import socket
 import sys
 import time
 import uuid
+from dataclasses import replace
 from typing import Any, cast
 
 import redis
@@ -84,6 +85,8 @@ class Batcher:
             "claimed": 0,
             "admitted": 0,
             "preempted": 0,
+            "prefill_launches": 0,
+            "prefill_tokens": 0,
             "rank_exec_us": 0,  # ranks' model threads: in steps, in launches, waiting for plans
             "rank_launch_us": 0,
             "rank_idle_us": 0,
@@ -120,6 +123,7 @@ class Batcher:
                 prefill_slots=s.prefill_slots,
                 lockstep=s.lockstep,
                 preempt_margin=s.preempt_margin if s.preemption else None,
+                prefill_segments=s.prefill_segments,
             ),
             live_ranks=set(),
         )
@@ -278,6 +282,11 @@ class Batcher:
         for rank in changes.joined:
             log.info("rank %d joined (%s)", rank, self.registry.incarnation(rank))
             join_rank(self.state, rank)
+        if changes.joined:
+            packs = all(self.registry.packs.get(r, False) for r in self.state.ranks)
+            self.state.config = replace(
+                self.state.config, pack_prefill=self.settings.pack_prefill and packs
+            )
 
     def _publish_limits(self) -> None:
         live = live_pools(self.redis, self.keys)
@@ -410,6 +419,8 @@ class Batcher:
         self.stats["padding_rows"] += result.num_padding_rows
         self.stats["mtp_proposed"] += result.num_draft_proposed
         self.stats["mtp_accepted"] += result.num_draft_accepted
+        self.stats["prefill_launches"] += result.num_prefill_launches
+        self.stats["prefill_tokens"] += result.num_prefill_tokens
         self.stats["rank_exec_us"] += int(result.exec_ms * 1000)
         self.stats["rank_launch_us"] += int(result.launch_ms * 1000)
         self.stats["rank_idle_us"] += int(result.idle_ms * 1000)

@@ -25,6 +25,7 @@ class LaunchBackend(Protocol):
 
     name: str
     reads_in_place: bool
+    packs: bool  # runs packed prefill launches (several requests' segments in one)
 
     def run(self, launch: LaunchInputs) -> LaunchOutput: ...
 
@@ -36,6 +37,7 @@ class EagerBackend:
 
     name = "eager"
     reads_in_place = True
+    packs = True
 
     def __init__(self, model: CausalLM, cache: KVCache) -> None:
         self.model, self.cache = model, cache
@@ -52,6 +54,7 @@ class CudaGraphBackend:
 
     name = "cuda-graphs"
     reads_in_place = False
+    packs = True
 
     def __init__(self, model: CausalLM, cache: KVCache) -> None:
         self.model, self.cache = model, cache
@@ -68,7 +71,14 @@ class CudaGraphBackend:
         return self._replay("draft", launch, hidden).clone()
 
     def _replay(self, program: str, launch: LaunchInputs, hidden: torch.Tensor | None) -> Any:
-        key = (program, *launch.input_ids.shape, launch.logit_index.shape[1], launch.span)
+        segments = 0 if launch.segment_slots is None else len(launch.segment_slots)
+        key = (
+            program,
+            *launch.input_ids.shape,
+            launch.logit_index.shape[1],
+            launch.span,
+            segments,
+        )
         if key not in self.graphs:
             self.graphs[key] = self._capture(program, launch, hidden)
         graph, static, static_hidden, output = self.graphs[key]
@@ -76,6 +86,10 @@ class CudaGraphBackend:
         static.positions.copy_(launch.positions)
         static.slot_ids.copy_(launch.slot_ids)
         static.logit_index.copy_(launch.logit_index)
+        if static.segment_slots is not None and launch.segment_slots is not None:
+            static.segment_slots.copy_(launch.segment_slots)
+        if static.token_segments is not None and launch.token_segments is not None:
+            static.token_segments.copy_(launch.token_segments)
         if static_hidden is not None and hidden is not None:
             static_hidden.copy_(hidden)
         graph.replay()
@@ -91,6 +105,12 @@ class CudaGraphBackend:
             logit_index=torch.zeros_like(launch.logit_index),
             span=launch.span,
             window_start=None,
+            segment_slots=None
+            if launch.segment_slots is None
+            else torch.zeros_like(launch.segment_slots),
+            token_segments=None
+            if launch.token_segments is None
+            else torch.zeros_like(launch.token_segments),
         )
         static_hidden = torch.zeros_like(hidden) if hidden is not None else None
         call: Callable[[], Any] = (
@@ -114,6 +134,7 @@ class NpuBackend:
     """torch_npu; graph mode through torchair when it is installed, else eager on the NPU."""
 
     reads_in_place = False
+    packs = False  # a compiled B1S128 kernel takes one request per call
 
     def __init__(self, model: CausalLM, cache: KVCache) -> None:
         try:

@@ -19,9 +19,10 @@ from typing import Any
 
 import torch
 
+from npu_worker.model import LaunchOutput
 from npu_worker.mtp import Acceptance, accept_drafts
 from npu_worker.records import StepRecord, TokenRow
-from npu_worker.runner import LaunchRunner
+from npu_worker.runner import LaunchRunner, Segment
 from npu_worker.sampler import SamplingTable, sample, token_logprobs
 from schemas.control import NewRequest, PrefillChunk, RankStepPlan
 
@@ -187,26 +188,55 @@ class RankEngine:
         if states:
             self._sample(states, logits)
 
-    def _prefill(self, chunk: PrefillChunk, record: StepRecord) -> None:
-        state = self.slots.get(chunk.slot)
+    def _prefill(self, launch: list[PrefillChunk], record: StepRecord) -> None:
+        """One prefill launch: one request's chunk, or (packed) several requests' segments.
+        A segment that completes its prompt samples the request's first token."""
         record.num_prefill_launches += 1
-        if chunk.num_tokens == 0 or state is None or state.finish is not None:
-            if chunk.num_tokens == 0 or self.lockstep:  # every rank runs the same launches
+        live = [
+            (chunk, state)
+            for chunk in launch
+            if (state := self.slots.get(chunk.slot)) is not None and state.finish is None
+        ]
+        if not live:
+            if not launch or self.lockstep:  # every rank runs the same launches
                 self.runner.dummy_prefill()
             return
-        start, end = chunk.start, chunk.start + chunk.num_tokens
-        out = self.runner.prefill_launch(chunk.slot, state.token_ids[start:end], start)
-        final = end >= state.num_context_tokens
-        if final:
-            self._sample([state], out.logits[:, 0])
-            if self.runner.mtp:
-                self._commit_sampled()  # the draft below reads the sampled token
-        if self.runner.mtp:  # also for a request that just ended: the launches stay the same
-            next_ids = state.token_ids[start + 1 : end + 1] or [0]
-            draft = self.runner.prefill_draft(chunk.slot, out.hidden, next_ids, start)
-            if final and state.finish is None:
-                position = state.num_context_tokens
-                self.runner.set_tail(chunk.slot, state.token_ids[position], position, draft)
+        record.num_prefill_tokens += sum(chunk.num_tokens for chunk, _ in live)
+        segments = [
+            Segment(c.slot, s.token_ids[c.start : c.start + c.num_tokens], c.start) for c, s in live
+        ]
+        out = self._prefill_launch(segments)
+        finals = [
+            (j, s)
+            for j, (c, s) in enumerate(live)
+            if c.start + c.num_tokens >= s.num_context_tokens
+        ]
+        if finals:
+            self._sample([s for _, s in finals], out.logits[0, [j for j, _ in finals]])
+        if self.runner.mtp:  # also for requests that just ended: the launches stay the same
+            self._commit_sampled()  # the drafts read the sampled first tokens
+            next_ids = [
+                s.token_ids[g.start + 1 : g.end + 1] or [0] for g, (_, s) in zip(segments, live)
+            ]
+            drafts = self._prefill_drafts(segments, out.hidden, next_ids)
+            for j, state in finals:
+                if state.finish is None:
+                    position = state.num_context_tokens
+                    self.runner.set_tail(state.slot, state.token_ids[position], position, drafts[j])
+
+    def _prefill_launch(self, segments: list[Segment]) -> LaunchOutput:
+        if self.runner.packs:
+            return self.runner.prefill_packed(segments)
+        (segment,) = segments  # a backend that does not pack gets one request per launch
+        return self.runner.prefill_launch(segment.slot, segment.token_ids, segment.start)
+
+    def _prefill_drafts(
+        self, segments: list[Segment], hidden: torch.Tensor, next_ids: list[list[int]]
+    ) -> list[int]:
+        if self.runner.packs:
+            return self.runner.draft_packed(segments, hidden, next_ids)
+        (segment,) = segments
+        return [self.runner.prefill_draft(segment.slot, hidden, next_ids[0], segment.start)]
 
     def _verify(self, live: list[int], states: list[SlotState], record: StepRecord) -> None:
         """MTP decode: verify each row's draft, commit one or two tokens, draft again."""

@@ -22,6 +22,10 @@ class LaunchInputs:
     Rows read their cache in place from slots [window_start, window_start + B) when
     `window_start` is set (row i is slot window_start + i), else gathered by `slot_ids`.
     Only the first `span` cache positions are read; later ones are masked by position anyway.
+
+    A *packed* launch (B = 1) carries several requests' segments back to back: token i
+    belongs to segment `token_segments[i]`, whose request holds slot `segment_slots[j]`, and
+    sees only that slot's keys up to its own position (causal within its own request).
     """
 
     input_ids: torch.Tensor  # [B, S]
@@ -30,6 +34,13 @@ class LaunchInputs:
     logit_index: torch.Tensor  # [B, K], the positions within S whose logits are returned
     span: int
     window_start: int | None
+    segment_slots: torch.Tensor | None = None  # [segments], packed launches only
+    token_segments: torch.Tensor | None = None  # [S], packed launches only
+
+    @property
+    def packed(self) -> bool:
+        """True for a launch carrying several requests' segments."""
+        return self.segment_slots is not None
 
 
 @dataclass(slots=True)
@@ -107,20 +118,58 @@ class Attention(nn.Module):
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         if cache is None:  # training: whole sequences, no cache
             keys, values = k.transpose(1, 2), v.transpose(1, 2)
-            out = _attend(q, keys, values, launch.positions, self.num_kv_heads)
+            visible = _causal(launch.positions, seq)
+            out = _attend(q, keys, values, visible, self.num_kv_heads)
             return self.o_proj(out.reshape(batch, seq, self.num_heads * self.head_dim))
         k_cache, v_cache = cache.k[self.layer], cache.v[self.layer]
-        rows = launch.slot_ids[:, None]
-        k_cache[rows, :, launch.positions] = k.to(k_cache.dtype)
-        v_cache[rows, :, launch.positions] = v.to(v_cache.dtype)
-        if launch.window_start is not None:
-            window = slice(launch.window_start, launch.window_start + batch)
-            keys, values = k_cache[window, :, : launch.span], v_cache[window, :, : launch.span]
+        if launch.packed:
+            keys, values, visible = _packed_keys(k_cache, v_cache, k, v, launch)
         else:
-            keys = k_cache[launch.slot_ids, :, : launch.span]
-            values = v_cache[launch.slot_ids, :, : launch.span]
-        out = _attend(q, keys, values, launch.positions, self.num_kv_heads)
+            rows = launch.slot_ids[:, None]
+            k_cache[rows, :, launch.positions] = k.to(k_cache.dtype)
+            v_cache[rows, :, launch.positions] = v.to(v_cache.dtype)
+            if launch.window_start is not None:
+                window = slice(launch.window_start, launch.window_start + batch)
+                keys = k_cache[window, :, : launch.span]
+                values = v_cache[window, :, : launch.span]
+            else:
+                keys = k_cache[launch.slot_ids, :, : launch.span]
+                values = v_cache[launch.slot_ids, :, : launch.span]
+            visible = _causal(launch.positions, launch.span)
+        out = _attend(q, keys, values, visible, self.num_kv_heads)
         return self.o_proj(out.reshape(batch, seq, self.num_heads * self.head_dim))
+
+
+def _causal(positions: torch.Tensor, span: int) -> torch.Tensor:
+    """[B, S, span]: each token sees its row's keys up to its own position."""
+    key_positions = torch.arange(span, device=positions.device)
+    return key_positions[None, None, :] <= positions[:, :, None]
+
+
+def _packed_keys(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    launch: LaunchInputs,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Write a packed launch's K/V into each token's own slot, then lay every segment's
+    slot side by side as one row of keys, visible only to that segment's tokens."""
+    assert launch.segment_slots is not None and launch.token_segments is not None
+    segments, span = launch.segment_slots, launch.span
+    token_slots = segments[launch.token_segments]
+    positions = launch.positions[0]
+    k_cache[token_slots, :, positions] = k[0].to(k_cache.dtype)
+    v_cache[token_slots, :, positions] = v[0].to(v_cache.dtype)
+    num_segments, num_kv_heads, head_dim = len(segments), k_cache.shape[1], k_cache.shape[3]
+    keys = k_cache[segments, :, :span].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)
+    values = v_cache[segments, :, :span].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)
+    key_positions = torch.arange(span, device=k.device).repeat(num_segments)
+    key_segments = torch.arange(num_segments, device=k.device).repeat_interleave(span)
+    visible = (key_segments[None, :] == launch.token_segments[:, None]) & (
+        key_positions[None, :] <= positions[:, None]
+    )
+    return keys[None], values[None], visible[None]
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -134,10 +183,11 @@ def _attend(
     q: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    positions: torch.Tensor,
+    visible: torch.Tensor,
     num_kv_heads: int,
 ) -> torch.Tensor:
-    """Masked attention of q [B, S, H, D] over cached keys/values [B, Hkv, span, D].
+    """Masked attention of q [B, S, H, D] over keys/values [B, Hkv, span, D], where
+    `visible` [B, S, span] says which keys each query sees.
 
     Query heads are grouped over their shared KV head (no K/V copy for GQA). Masked
     scores are -inf, so they add exactly zero whatever the span.
@@ -147,8 +197,6 @@ def _attend(
     span = keys.shape[2]
     qg = q.permute(0, 2, 1, 3).reshape(batch, num_kv_heads, group * seq, head_dim)
     scores = torch.matmul(qg.float(), keys.float().transpose(-1, -2)) * head_dim**-0.5
-    key_positions = torch.arange(span, device=q.device)
-    visible = key_positions[None, None, :] <= positions[:, :, None]  # [B, S, span]
     scores = scores.view(batch, num_kv_heads, group, seq, span)
     scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).view(batch, num_kv_heads, group * seq, span)

@@ -86,6 +86,7 @@ class OutputProcessor:
             record.num_decode_rows,
             record.num_padding_rows,
             record.num_prefill_launches,
+            record.num_prefill_tokens,
             record.num_draft_proposed,
             record.num_draft_accepted,
             record.exec_ms,

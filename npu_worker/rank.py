@@ -163,8 +163,9 @@ class Worker:
             settings.max_kv_len,
             settings.prefill_chunk,
             settings.decode_batch,
+            prefill_segments=settings.prefill_segments,
         )
-        self.redis.hset(self.rank_key, "state", "warming")
+        self.redis.hset(self.rank_key, mapping={"state": "warming", "packs": int(runner.packs)})
         runner.warm_up(progress)
         self.tokenizer = loaded.tokenizer
         return RankEngine(

@@ -46,6 +46,7 @@ class StepRecord:
     num_decode_rows: int = 0
     num_padding_rows: int = 0
     num_prefill_launches: int = 0
+    num_prefill_tokens: int = 0
     num_draft_proposed: int = 0
     num_draft_accepted: int = 0
     exec_ms: float = 0.0
@@ -70,6 +71,7 @@ class StepRecord:
                 self.num_decode_rows,
                 self.num_padding_rows,
                 self.num_prefill_launches,
+                self.num_prefill_tokens,
                 self.num_draft_proposed,
                 self.num_draft_accepted,
                 self.exec_ms,

@@ -34,6 +34,20 @@ class TailPool:
 
 
 @dataclass(slots=True)
+class Segment:
+    """One request's part of a prefill launch: `token_ids` from position `start` of `slot`."""
+
+    slot: int
+    token_ids: list[int]
+    start: int
+
+    @property
+    def end(self) -> int:
+        """The position after its last token."""
+        return self.start + len(self.token_ids)
+
+
+@dataclass(slots=True)
 class Layout:
     """Where a launch's rows sit: row i reads slot `slot_ids[i]`; `rows` maps inputs to rows."""
 
@@ -66,8 +80,10 @@ class LaunchRunner:
         prefill_chunk: int,
         decode_batch: int,
         cuda_graphs: bool = True,
+        prefill_segments: int = 8,
     ) -> None:
         weight = model.lm_head.weight
+        self.prefill_segments = prefill_segments  # packed launches: segments, at most
         self.device = weight.device
         self.prefill_chunk = prefill_chunk
         self.decode_batch = decode_batch
@@ -82,6 +98,11 @@ class LaunchRunner:
         self.num_launches = {"prefill": 0, "decode": 0}
         self.launches: list[str] = []  # program and shape of each launch, cleared per step
         self.launch_seconds: list[tuple[str, float]] = []  # (shape, time in it), per step
+
+    @property
+    def packs(self) -> bool:
+        """True when prefill launches may carry several requests' segments."""
+        return self.backend.packs
 
     def spans(self) -> list[int]:
         """Every cache span a launch may read: the captured shapes of graph backends."""
@@ -147,6 +168,48 @@ class LaunchRunner:
             window_start=slot if self.backend.reads_in_place else None,
         )
         return int(self._draft(launch, hidden).argmax(-1)[0, 0])
+
+    def prefill_packed(self, segments: list[Segment]) -> LaunchOutput:
+        """One B1S`prefill_chunk` launch carrying several requests' segments back to back;
+        logits [1, segments, vocab] at each segment's last token, hidden of all."""
+        return self._run("prefill", self._packed(segments, [s.token_ids for s in segments]))
+
+    def draft_packed(
+        self, segments: list[Segment], hidden: torch.Tensor, next_ids: list[list[int]]
+    ) -> list[int]:
+        """MTP over a packed launch (fills the MTP cache layer): the draft after each
+        segment's end. `next_ids[j][i]` is the token after segment j's position i."""
+        drafted = self._draft(self._packed(segments, next_ids), hidden)
+        return drafted[0, : len(segments)].argmax(-1).tolist()
+
+    def _packed(self, segments: list[Segment], token_ids: list[list[int]]) -> LaunchInputs:
+        size, scratch = self.prefill_chunk, self.cache.scratch_position
+        if not segments or sum(len(s.token_ids) for s in segments) > size:
+            raise ValueError(f"bad packed launch: {[len(s.token_ids) for s in segments]} tokens")
+        ids: list[int] = []
+        positions: list[int] = []
+        owners: list[int] = []
+        ends: list[int] = []
+        for j, (segment, tokens) in enumerate(zip(segments, token_ids)):
+            ids += tokens
+            positions += range(segment.start, segment.start + len(tokens))
+            owners += [j] * len(tokens)
+            ends.append(len(ids) - 1)
+        padding = size - len(ids)  # padding tokens: segment 0's slot, the scratch position
+        slots = [s.slot for s in segments]
+        if not self.backend.reads_in_place:  # graph backends: a fixed number of segments
+            slots += [slots[0]] * (self.prefill_segments - len(slots))
+            ends += [0] * (self.prefill_segments - len(ends))
+        return LaunchInputs(
+            input_ids=self._tensor([ids + [0] * padding]),
+            positions=self._tensor([positions + [scratch] * padding]),
+            slot_ids=self._tensor(slots[:1]),
+            logit_index=self._tensor([ends]),
+            span=self.span_for(max(s.end for s in segments)),
+            window_start=None,
+            segment_slots=self._tensor(slots),
+            token_segments=self._tensor(owners + [0] * padding),
+        )
 
     def set_tail(self, slot: int, token: int, position: int, draft: int) -> None:
         """Start a request's committed tail after its prompt."""

@@ -51,6 +51,14 @@ class Settings(BaseSettings):
     prefill_chunk: int = Field(default=128, ge=1, description="tokens per prefill launch (S)")
     prefill_slots: int = Field(default=4, ge=1, description="prefill launches per rank per step")
     decode_batch: int = Field(default=8, ge=1, description="rows per decode launch (B)")
+    pack_prefill: bool = Field(
+        default=True,
+        description="several prompts per prefill launch (off on ranks whose backend "
+        "takes one request per launch)",
+    )
+    prefill_segments: int = Field(
+        default=8, ge=1, le=64, description="prompts in one packed prefill launch, at most"
+    )
     mtp: bool = Field(default=False, description="decode with MTP drafts (K=1)")
     lockstep: bool = Field(default=False, description="every rank runs the same launches")
     max_inflight_steps: int = Field(default=2, ge=1, le=2, description="steps dispatched ahead")

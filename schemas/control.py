@@ -54,8 +54,8 @@ class NewRequest:
 
 @dataclass(slots=True)
 class PrefillChunk:
-    """Prefill tokens [start, start + num_tokens) of the request in `slot`; a chunk with
-    `num_tokens == 0` is a lockstep dummy."""
+    """Prefill tokens [start, start + num_tokens) of the request in `slot`: one segment of
+    a prefill launch."""
 
     slot: int
     start: int
@@ -77,8 +77,9 @@ class SlotStop:
 class RankStepPlan:
     """One rank's share of a step: new requests, stops, decode launches, then prefill.
 
-    Each decode launch lists the slots of its rows (at most `decode_batch`); an empty
-    launch is a lockstep dummy.
+    Each decode launch lists the slots of its rows (at most `decode_batch`); each prefill
+    launch lists its segments (one unless prefill is packed). An empty launch is a
+    lockstep dummy.
     """
 
     epoch: int
@@ -87,7 +88,7 @@ class RankStepPlan:
     incarnation: str = ""  # the rank process this plan is for
     new_requests: list[NewRequest] = field(default_factory=list)
     decode_launches: list[list[int]] = field(default_factory=list)
-    prefill: list[PrefillChunk] = field(default_factory=list)
+    prefill: list[list[PrefillChunk]] = field(default_factory=list)
     stops: list[SlotStop] = field(default_factory=list)
 
     def encode(self) -> bytes:
@@ -100,7 +101,7 @@ class RankStepPlan:
                 self.incarnation,
                 [n.to_wire() for n in self.new_requests],
                 self.decode_launches,
-                [[c.slot, c.start, c.num_tokens] for c in self.prefill],
+                [[[c.slot, c.start, c.num_tokens] for c in launch] for launch in self.prefill],
                 [[s.slot, s.request_id, s.finish_reason, s.admission] for s in self.stops],
             ]
         )
@@ -117,7 +118,7 @@ class RankStepPlan:
                 incarnation,
                 [NewRequest.from_wire(n) for n in news],
                 decode,
-                [PrefillChunk(*c) for c in prefill],
+                [[PrefillChunk(*c) for c in launch] for launch in prefill],
                 [SlotStop(*s) for s in stops],
             )
         except (ValueError, TypeError, KeyError) as exc:
@@ -149,6 +150,7 @@ class StepResult:
     num_decode_rows: int = 0
     num_padding_rows: int = 0
     num_prefill_launches: int = 0
+    num_prefill_tokens: int = 0
     num_draft_proposed: int = 0
     num_draft_accepted: int = 0
     exec_ms: float = 0.0  # the step on the rank's model thread
@@ -172,6 +174,7 @@ class StepResult:
                 self.num_decode_rows,
                 self.num_padding_rows,
                 self.num_prefill_launches,
+                self.num_prefill_tokens,
                 self.num_draft_proposed,
                 self.num_draft_accepted,
                 self.exec_ms,

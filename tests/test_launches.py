@@ -116,8 +116,8 @@ def test_engine_runs_only_the_declared_launch_shapes(loaded: LoadedModel) -> Non
             rank=0,
             new_requests=news,
             prefill=[
-                PrefillChunk(slot=0, start=0, num_tokens=3),
-                PrefillChunk(slot=1, start=0, num_tokens=128),
+                [PrefillChunk(slot=0, start=0, num_tokens=3)],
+                [PrefillChunk(slot=1, start=0, num_tokens=128)],
             ],
         ),
         RankStepPlan(
@@ -125,7 +125,7 @@ def test_engine_runs_only_the_declared_launch_shapes(loaded: LoadedModel) -> Non
             step=2,
             rank=0,
             decode_launches=[[0]],
-            prefill=[PrefillChunk(slot=1, start=128, num_tokens=72)],
+            prefill=[[PrefillChunk(slot=1, start=128, num_tokens=72)]],
         ),
         RankStepPlan(epoch=1, step=3, rank=0, decode_launches=[[0, 1]]),
     ]
@@ -154,7 +154,7 @@ def test_generation_stops_at_max_model_len(loaded: LoadedModel) -> None:
             step=1,
             rank=0,
             new_requests=[new],
-            prefill=[PrefillChunk(slot=0, start=0, num_tokens=128)],
+            prefill=[[PrefillChunk(slot=0, start=0, num_tokens=128)]],
         )
     )
     second = engine.execute(RankStepPlan(epoch=1, step=2, rank=0, decode_launches=[[0]]))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from batcher.dispatch import rank_plans
@@ -29,7 +30,8 @@ SETTINGS = Settings(
 )
 
 
-def test_lockstep_ranks_run_identical_launch_sequences_every_step() -> None:
+@pytest.mark.parametrize("packed", [False, True])
+def test_lockstep_ranks_run_identical_launch_sequences_every_step(packed: bool) -> None:
     loaded = load_model(
         resolve_model_dir("tiny"), "auto", torch.device("cpu"), SETTINGS.max_kv_len, mtp=True
     )
@@ -44,7 +46,7 @@ def test_lockstep_ranks_run_identical_launch_sequences_every_step() -> None:
         )
         for rank in range(2)
     ]
-    state = PoolState(PlannerConfig(2, 8, 4, 2, 128, 4, lockstep=True))
+    state = PoolState(PlannerConfig(2, 8, 4, 2, 128, 4, lockstep=True, pack_prefill=packed))
     rng = random.Random(3)
     tracked: dict[str, Tracked] = {}
     # uneven work: a long prompt, short ones, and one request that ends at once
@@ -76,7 +78,7 @@ def test_lockstep_ranks_run_identical_launch_sequences_every_step() -> None:
                 and not any(
                     s in engine.busy_slots for launch in plan.decode_launches for s in launch
                 )
-                and all(c.num_tokens == 0 for c in plan.prefill)
+                and all(not launch for launch in plan.prefill)
             )
         assert logs[0] == logs[1], f"step {step}: rank 0 ran {logs[0]}, rank 1 ran {logs[1]}"
         assert any("draft" in launch for launch in logs[0]) or not logs[0]

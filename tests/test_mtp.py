@@ -168,7 +168,7 @@ def sample_paths(loaded: LoadedModel, count: int, seed_base: int) -> Counter:
             step=step,
             rank=0,
             new_requests=news,
-            prefill=[PrefillChunk(slot=i, start=0, num_tokens=4) for i in range(8)],
+            prefill=[[PrefillChunk(slot=i, start=0, num_tokens=4)] for i in range(8)],
         )
         while True:
             for chunk in engine.execute(plan).chunks:
@@ -212,9 +212,9 @@ def test_mtp_never_overruns_max_model_len_or_max_tokens(
         PrefillChunk(slot=0, start=s, num_tokens=min(128, prompt_len - s))
         for s in range(0, prompt_len, 128)
     ]
-    plans = [RankStepPlan(epoch=1, step=1, rank=0, new_requests=[new], prefill=chunks[:1])]
+    plans = [RankStepPlan(epoch=1, step=1, rank=0, new_requests=[new], prefill=[chunks[:1]])]
     plans += [
-        RankStepPlan(epoch=1, step=2 + i, rank=0, prefill=[c]) for i, c in enumerate(chunks[1:])
+        RankStepPlan(epoch=1, step=2 + i, rank=0, prefill=[[c]]) for i, c in enumerate(chunks[1:])
     ]
     tokens: list[int] = []
     finals = []

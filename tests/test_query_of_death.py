@@ -48,7 +48,9 @@ def run_alone_in_engine(
         )
         for slot, (request_id, (prompt, sampling)) in enumerate(requests.items())
     ]
-    prefill = [PrefillChunk(slot=n.slot, start=0, num_tokens=len(n.prompt_token_ids)) for n in news]
+    prefill = [
+        [PrefillChunk(slot=n.slot, start=0, num_tokens=len(n.prompt_token_ids))] for n in news
+    ]
     plan = RankStepPlan(epoch=0, step=0, rank=0, new_requests=news, prefill=prefill)
     chunks: dict[str, list[ResultChunk]] = {r: [] for r in requests}
     for step in range(1, 200):

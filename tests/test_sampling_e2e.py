@@ -135,7 +135,7 @@ def test_min_tokens_keeps_eos_away_until_reached() -> None:
                 step=1,
                 rank=0,
                 new_requests=[new],
-                prefill=[PrefillChunk(slot=0, start=0, num_tokens=3)],
+                prefill=[[PrefillChunk(slot=0, start=0, num_tokens=3)]],
             )
         )
         tokens = list(out.chunks[0].token_ids)

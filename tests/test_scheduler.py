@@ -17,7 +17,7 @@ from batcher.scheduler import (
     plan_step,
 )
 
-DUMMY = PrefillWork("", -1, 0, 0)
+DUMMY: list[PrefillWork] = []  # a lockstep filler launch
 
 
 def make_config(**overrides: float | bool | None) -> PlannerConfig:
@@ -178,14 +178,30 @@ def test_prefill_chunks_go_to_the_most_urgent_request_first() -> None:
     state = make_state(prefill_slots=1)
     submit(state, 300)
     submit(state, 300, first=1, urgency=2.0)
-    assert [w.request_id for w in plan_step(state).prefill[0]] == ["r1"]
+    assert [[w.request_id for w in launch] for launch in plan_step(state).prefill[0]] == [["r1"]]
+
+
+def test_packed_prefill_fills_each_launch_with_the_next_prompts_back_to_back() -> None:
+    state = make_state(pack_prefill=True, prefill_slots=2, prefill_segments=3)
+    submit(state, 200, 40, 30, 20, 10)
+    plan = plan_step(state)
+    assert plan.prefill[0] == [
+        [PrefillWork("r0", 0, 0, 128)],
+        [PrefillWork("r0", 0, 128, 72), PrefillWork("r1", 1, 0, 40), PrefillWork("r2", 2, 0, 16)],
+    ]
+    assert [w for launch in plan_step(state).prefill[0] for w in launch] == [
+        PrefillWork("r2", 2, 16, 14),
+        PrefillWork("r3", 3, 0, 20),
+        PrefillWork("r4", 4, 0, 10),
+    ]
+    assert all(s.is_prefilled and s.num_planned_tokens >= 1 for s in state.running.values())
 
 
 def test_request_completing_its_prompt_does_not_decode_in_the_same_step() -> None:
     state = make_state()
     (seq,) = submit(state, 100)
     first = plan_step(state)
-    assert (first.decode_launches, first.prefill) == ([], {0: [PrefillWork("r0", 0, 0, 100)]})
+    assert (first.decode_launches, first.prefill) == ([], {0: [[PrefillWork("r0", 0, 0, 100)]]})
     assert seq.num_planned_tokens == 1
     second = plan_step(state)
     assert (launch_ids(second), second.prefill, seq.num_planned_tokens) == ([{0: ["r0"]}], {}, 2)
@@ -209,7 +225,8 @@ def test_long_prompt_is_prefilled_in_chunks_over_several_steps() -> None:
     for _ in range(3):
         plan = plan_step(state)
         assert plan.decode_launches == []
-        chunks += plan.prefill[0]
+        (launch,) = plan.prefill[0]
+        chunks += launch
     assert chunks == [
         PrefillWork("r0", 0, 0, 128),
         PrefillWork("r0", 0, 128, 128),
@@ -223,10 +240,10 @@ def test_prefill_takes_at_most_prefill_slots_chunks_per_rank_oldest_first() -> N
     for slot, order in [(0, 3), (1, 2), (2, 0), (3, 1)]:
         place(state, f"o{order}", rank=0, slot=slot, prefilled=False, order=order)
     first = plan_step(state)
-    assert first.prefill == {0: [PrefillWork("o0", 2, 0, 10), PrefillWork("o1", 3, 0, 10)]}
+    assert first.prefill == {0: [[PrefillWork("o0", 2, 0, 10)], [PrefillWork("o1", 3, 0, 10)]]}
     plan = plan_step(state)
     assert launch_ids(plan) == [{0: ["o0", "o1"]}]
-    assert plan.prefill == {0: [PrefillWork("o2", 1, 0, 10), PrefillWork("o3", 0, 0, 10)]}
+    assert plan.prefill == {0: [[PrefillWork("o2", 1, 0, 10)], [PrefillWork("o3", 0, 0, 10)]]}
 
 
 def test_decode_stops_once_planned_tokens_reach_max_new_tokens() -> None:
@@ -251,9 +268,9 @@ def make_mixed_pool(*, lockstep: bool) -> PoolState:
     return state
 
 
-PREFILL_P0 = PrefillWork("p0", 0, 0, 10)
-PREFILL_P1 = PrefillWork("p1", 1, 0, 10)
-PREFILL_P2 = PrefillWork("p2", 0, 0, 10)
+PREFILL_P0 = [PrefillWork("p0", 0, 0, 10)]
+PREFILL_P1 = [PrefillWork("p1", 1, 0, 10)]
+PREFILL_P2 = [PrefillWork("p2", 0, 0, 10)]
 
 
 def test_without_lockstep_idle_ranks_get_no_launches() -> None:
@@ -269,7 +286,12 @@ def test_lockstep_pads_every_rank_to_the_same_number_of_launches() -> None:
 
 
 @pytest.mark.parametrize(
-    "name", [f.name for f in fields(PlannerConfig) if f.name not in ("lockstep", "preempt_margin")]
+    "name",
+    [
+        f.name
+        for f in fields(PlannerConfig)
+        if f.name not in ("lockstep", "preempt_margin", "pack_prefill")
+    ],
 )
 @pytest.mark.parametrize("value", [0, -1])
 def test_config_rejects_limits_below_one(name: str, value: int) -> None:

@@ -46,6 +46,8 @@ Check = Callable[[PoolState, StepPlan, Before], None]
 configs = st.builds(
     PlannerConfig,
     preempt_margin=st.none() | st.floats(0.0, 4.0),
+    pack_prefill=st.booleans(),
+    prefill_segments=st.integers(1, 6),
     num_ranks=st.integers(1, 8),
     max_num_seqs=st.integers(1, 64),
     kv_slots_per_rank=st.integers(1, 16),
@@ -147,17 +149,28 @@ def check_capacity_and_chunks(state: PoolState, plan: StepPlan, before: Before) 
                 assert prefilled >= seq.num_prompt_tokens, "decoded before fully prefilled"
                 assert planned < seq.max_new_tokens and seq.num_planned_tokens == planned + 1
             seen += ids(rows)
-    for rank, chunks in plan.prefill.items():
-        assert len(chunks) <= config.prefill_slots
-        for work in chunks:
-            if config.lockstep and work == DUMMY:
+    per_launch = config.prefill_segments if config.pack_prefill else 1
+    for rank, launches in plan.prefill.items():
+        assert len(launches) <= config.prefill_slots
+        ends: dict[str, int] = {}
+        for i, launch in enumerate(launches):
+            if config.lockstep and launch == DUMMY:
                 continue
-            seq = state.running[work.request_id]
-            assert (seq.rank, seq.slot) == (rank, work.slot)
-            assert 1 <= work.num_tokens <= config.prefill_chunk
-            assert work.start == before[work.request_id][0]
-            assert seq.num_prefilled == work.start + work.num_tokens <= seq.num_prompt_tokens
-            seen.append(work.request_id)
+            assert 1 <= len(launch) <= per_launch
+            assert sum(w.num_tokens for w in launch) <= config.prefill_chunk
+            last = i == len(launches) - 1 or launches[i + 1] == DUMMY
+            if config.pack_prefill and not last:  # packed: only a rank's last launch has room
+                full = sum(w.num_tokens for w in launch) == config.prefill_chunk
+                assert full or len(launch) == per_launch
+            for work in launch:  # a request's segments continue each other, launch by launch
+                seq = state.running[work.request_id]
+                assert (seq.rank, seq.slot) == (rank, work.slot)
+                assert work.num_tokens >= 1
+                assert work.start == ends.get(work.request_id, before[work.request_id][0])
+                ends[work.request_id] = work.start + work.num_tokens
+        for request_id, end in ends.items():
+            assert state.running[request_id].num_prefilled == end
+        seen += list(ends)
     assert len(seen) == len(set(seen)), "a request planned twice in one step"
     assert len(state.running) <= config.max_num_seqs
     assert all(s.num_planned_tokens <= s.max_new_tokens for s in state.running.values())
@@ -190,7 +203,7 @@ def check_launch_shape(state: PoolState, plan: StepPlan, before: Before) -> None
         )
     else:
         assert all(all(launch.values()) for launch in plan.decode_launches)
-        assert all(DUMMY not in chunks and chunks for chunks in plan.prefill.values())
+        assert all(DUMMY not in launches and launches for launches in plan.prefill.values())
 
 
 def check_admission_order(state: PoolState, plan: StepPlan, before: Before) -> None:
