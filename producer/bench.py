@@ -23,7 +23,7 @@ from typing import Any
 
 from rich.console import Console
 
-from producer.bench_ceiling import workload_ceiling
+from producer.bench_ceiling import burst_ideal_ms, workload_ceiling
 from producer.bench_http import http_level, print_http, start_gateway
 from producer.client import Client
 from producer.embedded import EmbeddedRedis
@@ -49,6 +49,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--output-len", type=int, nargs=2, default=[48, 80])
     parser.add_argument("--peer-requests", type=int, default=None)
     parser.add_argument("--no-peers", action="store_true", help="skip the transformers peers")
+    parser.add_argument(
+        "--burst",
+        type=int,
+        default=64,
+        help="after the levels, this many requests at once, for TTFT under a burst (0: none)",
+    )
     parser.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=100.0)
     parser.add_argument(
@@ -131,6 +137,8 @@ def run(
                     f" TTFT p50 {summary['ttft_ms']['p50']:.0f} ms",
                     file=sys.stderr,
                 )
+            if args.burst:
+                report["burst"] = _burst(client, url, settings, args)
         processes.stop(timeout_s=30)
         report["ceiling"] = _kernel_ceiling(settings)
         for level in report["levels"]:
@@ -138,6 +146,10 @@ def run(
                 per_level, tuple(args.prompt_len), tuple(args.output_len), seed=level["concurrency"]
             )
             level["workload_ceiling"] = workload_ceiling(report["ceiling"], workload, settings)
+        if "burst" in report:
+            ideal = burst_ideal_ms(report["ceiling"], _burst_workload(args), settings)
+            report["burst"]["prefill_bound_ideal_ms"] = ideal
+            report["burst"]["ttft_p99_over_ideal"] = report["burst"]["ttft_ms"]["p99"] / ideal
         if not args.no_peers:
             peer_requests = args.peer_requests or (16 if args.quick else 64)
             report["rq_peer"] = _rq_peer(url, settings, args, peer_requests)
@@ -150,6 +162,32 @@ def run(
     report["planner_us_per_step"] = _planner_us()
     report["ratios"] = ratios(report)
     return report
+
+
+def _burst_workload(args: argparse.Namespace) -> Workload:
+    return Workload(
+        args.burst,
+        tuple(args.prompt_len),
+        tuple(args.output_len),
+        concurrency=args.burst,
+        seed=4242,
+    )
+
+
+def _burst(client: Client, url: str, settings: Settings, args: argparse.Namespace) -> dict:
+    """`--burst N` requests arriving at once: their TTFT percentiles and prefill efficiency."""
+    before = pool_status(client.redis, client.keys, settings.pool, 0)
+    traces, wall = asyncio.run(run_workload(url, settings.namespace, _burst_workload(args)))
+    summary = summarise(traces, wall, args.slo_ttft_ms, args.slo_tpot_ms)
+    counters = _pool_counters(client, settings, before)
+    print(f"  burst of {args.burst}: TTFT p99 {summary['ttft_ms']['p99']:.0f} ms", file=sys.stderr)
+    return {
+        "requests": args.burst,
+        "ttft_ms": summary["ttft_ms"],
+        "output_tokens_per_s": summary["output_tokens_per_s"],
+        "prefill_efficiency": counters["prefill_efficiency"],
+        "prefill_launches_per_request": counters["prefill_launches"] / args.burst,
+    }
 
 
 def _planner_us() -> float:
@@ -175,6 +213,8 @@ def _pool_counters(client: Client, settings: Settings, before: dict[str, Any]) -
     proposed = after["mtp"]["proposed"] - before["mtp"]["proposed"]
     accepted = after["mtp"]["accepted"] - before["mtp"]["accepted"]
     spent = {k: after["rank_time_us"][k] - before["rank_time_us"][k] for k in ("exec", "launch")}
+    prefill_launches = after["prefill_launches"] - before["prefill_launches"]
+    prefill_tokens = after["prefill_tokens"] - before["prefill_tokens"]
     idle = after["rank_time_us"]["idle"] - before["rank_time_us"]["idle"]
     return {
         # where the ranks' model threads spent the level: waiting for a plan, and the share
@@ -184,6 +224,10 @@ def _pool_counters(client: Client, settings: Settings, before: dict[str, Any]) -
         if spent["exec"]
         else None,
         "decode_launches": launches,
+        "prefill_launches": prefill_launches,
+        "prefill_efficiency": prefill_tokens / (prefill_launches * settings.prefill_chunk)
+        if prefill_launches
+        else None,
         "padding_waste": padding / (launches * settings.decode_batch) if launches else 0.0,
         "mtp_acceptance": accepted / proposed if proposed else None,
         "tokens_per_verify_launch": (proposed + accepted) / launches
@@ -326,6 +370,7 @@ def ratios(report: dict[str, Any]) -> dict[str, float | None]:
     best = max(level["output_tokens_per_s"] for level in levels)
     at_64 = next((lv["output_tokens_per_s"] for lv in levels if lv["concurrency"] == 64), best)
     out: dict[str, float | None] = {
+        "burst_ttft_p99_over_ideal": report.get("burst", {}).get("ttft_p99_over_ideal"),
         "pool_over_ceiling": best / report["ceiling"]["output_tokens_per_s"],
         "pool_over_workload_ceiling": max(
             lv["output_tokens_per_s"] / lv["workload_ceiling"]["output_tokens_per_s"]
@@ -360,6 +405,16 @@ def print_report(report: dict[str, Any]) -> None:
         "for a plan; host: share of steps outside launches"
     )
     print(f"kernel ceiling: {report['ceiling']['output_tokens_per_s']:.0f} tokens/s")
+    burst = report.get("burst")
+    if burst:
+        ttft = burst["ttft_ms"]
+        print(
+            f"burst of {burst['requests']}: TTFT p50 {ttft['p50']:.0f} / p90 {ttft['p90']:.0f} / "
+            f"p99 {ttft['p99']:.0f} ms, prefill-bound ideal "
+            f"{burst.get('prefill_bound_ideal_ms', 0):.0f} ms; prefill efficiency "
+            f"{_share(burst['prefill_efficiency'])}, "
+            f"{burst['prefill_launches_per_request']:.2f} prefill launches per request"
+        )
     print(
         f"planner: {report['planner_us_per_step']:.0f} us per step "
         "(64 running + 64 waiting, 8 ranks)"

@@ -30,3 +30,14 @@ def workload_ceiling(kernels: dict[str, Any], workload: Workload, settings: Sett
         "decode_launches": round(decode_launches, 1),
         "prefill_share": prefill_launches * prefill_ms / 1000 / seconds,
     }
+
+
+def burst_ideal_ms(kernels: dict[str, Any], workload: Workload, settings: Settings) -> float:
+    """The prefill-bound ideal of a burst: its prompt tokens at the prefill launches' token
+    rate (full B1S`prefill_chunk` launches back to back on every rank)."""
+    chunk = settings.prefill_chunk
+    prefill_ms = min(
+        row["p50_ms"] for row in kernels["launches"] if row["launch"] == f"prefill B1S{chunk}"
+    )
+    prompt_tokens = sum(len(prompt) for prompt, _ in workload.requests())
+    return prompt_tokens / chunk * prefill_ms / settings.ranks

@@ -73,6 +73,8 @@ def pool_status(client: redis.Redis, keys: Keys, pool: str, now_ms: int) -> dict
         "decode_launches": _int(info, "decode_launches"),
         "padding_rows": _int(info, "padding_rows"),
         "preempted": _int(info, "preempted"),
+        "prefill_launches": _int(info, "prefill_launches"),
+        "prefill_tokens": _int(info, "prefill_tokens"),
         "rank_time_us": {
             "exec": _int(info, "rank_exec_us"),
             "launch": _int(info, "rank_launch_us"),

@@ -155,6 +155,8 @@ def test_serving_benchmark_reports_levels_ceiling_and_ratios(tmp_path) -> None:
             "3",
             "9",
             "--no-peers",
+            "--burst",
+            "8",
             "--device",
             "cpu",
             "--json",
@@ -173,5 +175,18 @@ def test_serving_benchmark_reports_levels_ceiling_and_ratios(tmp_path) -> None:
         assert 0 < level["ttft_ms"]["p50"] <= level["ttft_ms"]["p99"]
     assert report["ceiling"]["output_tokens_per_s"] > 0
     assert report["planner_us_per_step"] > 0
-    assert set(report["ratios"]) == {"pool_over_ceiling"}
+    assert set(report["ratios"]) == {
+        "pool_over_ceiling",
+        "pool_over_workload_ceiling",
+        "burst_ttft_p99_over_ideal",
+    }
     assert "pool_over_ceiling" in done.stdout
+    for level in report["levels"]:  # the launches a level needs, and where ranks spent time
+        ceiling = level["workload_ceiling"]
+        assert ceiling["prefill_launches"] == 6  # one chunk per 3-9 token prompt
+        assert 0 < ceiling["output_tokens_per_s"] < ceiling["decode_only_tokens_per_s"]
+        assert 0 <= level["rank_idle_share"] <= 1 and 0 < level["rank_host_share"] < 1
+        assert 0 < level["prefill_efficiency"] <= 1
+    burst = report["burst"]
+    assert burst["requests"] == 8 and burst["prefill_bound_ideal_ms"] > 0
+    assert burst["prefill_launches_per_request"] < 1  # eight short prompts share launches
