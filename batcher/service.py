@@ -58,6 +58,7 @@ from schemas.metrics import serve_metrics
 
 log = logging.getLogger("npu_pool.batcher")
 REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
+FULL_POOL_POLL_S = 0.02
 
 
 class Batcher:
@@ -134,6 +135,7 @@ class Batcher:
         self.epoch = 0
         self.step = 0
         self.last_housekeeping = 0.0
+        self.last_intake = 0.0
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -330,6 +332,10 @@ class Batcher:
         """Take the most urgent entries that could be admitted (and, with every slot taken,
         one that would preempt), end entries past the bound; wait a little when idle."""
         wanted = self.state.room() - len(self.state.waiting)
+        now = time.monotonic()
+        if wanted <= 0 and now - self.last_intake < FULL_POOL_POLL_S:
+            return  # a full pool only looks for excess entries and preemptions now and then
+        self.last_intake = now
         threshold, extra = float("inf"), 0
         margin = self.state.config.preempt_margin
         running = [s for s in self.state.running.values() if not s.stopping]
