@@ -98,9 +98,14 @@ def vllm_peer(
 
 
 def run_offline(
-    peer: VllmPeer, workload: Workload, engine: dict[str, Any], workdir: Path
+    peer: VllmPeer,
+    workload: Workload,
+    engine: dict[str, Any],
+    workdir: Path,
+    token_ids: bool = False,
 ) -> dict[str, Any]:
-    """Run `vllm_offline.py` on `workload` with vLLM's Python; its JSON result."""
+    """Run `vllm_offline.py` on `workload` with vLLM's Python; its JSON result (with every
+    completion's token ids and a tokenizer round trip if `token_ids`)."""
     requests_path = workdir / "vllm-workload.json"
     requests_path.write_text(json.dumps({"requests": workload.requests()}))
     result_path, log_path = workdir / "vllm-offline.json", workdir / "vllm-offline.log"
@@ -108,6 +113,7 @@ def run_offline(
     command += ["--workload", str(requests_path), "--out", str(result_path)]
     command += ["--dtype", peer.dtype, "--max-model-len", str(engine["max_model_len"])]
     command += ["--max-num-seqs", str(engine["max_num_seqs"]), "--seed", str(engine["seed"])]
+    command += ["--token-ids"] if token_ids else []
     with open(log_path, "wb") as log:
         try:
             done = subprocess.run(

@@ -24,10 +24,11 @@ from pathlib import Path
 from typing import Any
 
 WARMUP_REQUESTS = 8
+TOKENIZER_CHECK_TEXT = "Hello, world! Größe, naïve café, 東京, emoji 🙂"
 
 
-def _generate(llm: Any, requests: list[tuple[list[int], int]]) -> tuple[float, list[list[int]]]:
-    """Wall seconds and completion token ids of one `generate` over `requests`."""
+def _generate(llm: Any, requests: list[tuple[list[int], int]]) -> tuple[float, list[Any]]:
+    """Wall seconds and the completions of one `generate` over `requests`."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -39,7 +40,7 @@ def _generate(llm: Any, requests: list[tuple[list[int], int]]) -> tuple[float, l
     started = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - started
-    return wall, [list(out.outputs[0].token_ids) for out in outputs]
+    return wall, [out.outputs[0] for out in outputs]
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -64,7 +65,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     _generate(llm, [(ids, 8) for ids, _ in requests[:WARMUP_REQUESTS]])
     wall, completions = _generate(llm, requests)
     prefill_wall, _ = _generate(llm, [(ids, 1) for ids, _ in requests])
-    output_tokens = sum(len(ids) for ids in completions)
+    output_tokens = sum(len(out.token_ids) for out in completions)
     decode_tokens = output_tokens - len(requests)  # the first token of each comes with prefill
     decode_wall = wall - prefill_wall
     scheduler = llm.llm_engine.vllm_config.scheduler_config
@@ -89,7 +90,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         },
     }
     if args.token_ids:
-        out["completions"] = completions
+        out["completions"] = [list(c.token_ids) for c in completions]
+        tokenizer = llm.get_tokenizer()
+        ids = tokenizer.encode(TOKENIZER_CHECK_TEXT, add_special_tokens=False)
+        out["tokenizer_check"] = {
+            "text": TOKENIZER_CHECK_TEXT,
+            "ids": ids,
+            "decoded": tokenizer.decode(ids),
+        }
     return out
 
 
@@ -103,7 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--token-ids", action="store_true", help="also print every completion")
+    parser.add_argument(
+        "--token-ids",
+        action="store_true",
+        help="also write every completion and a tokenizer round trip",
+    )
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     Path(args.out).write_text(json.dumps(run(args)))
     return 0
