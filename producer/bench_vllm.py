@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -117,9 +118,12 @@ def run_offline(
     with open(log_path, "wb") as log:
         try:
             done = subprocess.run(
-                command, stdout=log, stderr=subprocess.STDOUT, env=peer.env(),
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=peer.env(),
                 timeout=OFFLINE_TIMEOUT_S,
-            )  # fmt: skip
+            )
         except subprocess.TimeoutExpired as exc:
             raise VllmFailed(f"vLLM's offline engine ran past {OFFLINE_TIMEOUT_S:.0f} s") from exc
     if done.returncode != 0 or not result_path.exists():
@@ -141,14 +145,15 @@ class VllmServer:
     startup_s: float = 0.0
 
     def stop(self) -> None:
-        """SIGTERM (vLLM stops its engine processes), then SIGKILL to the group."""
+        """SIGTERM (vLLM stops its engine processes), then SIGKILL to what is left of the
+        group: a spinning engine process left behind would skew every later measurement."""
         if self.process.poll() is None:
             self.process.terminate()
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
+        with contextlib.suppress(ProcessLookupError):  # else the whole group is gone
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
 
 
 def start_server(peer: VllmPeer, engine: dict[str, Any], log_path: Path) -> VllmServer:
