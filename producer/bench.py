@@ -4,6 +4,7 @@ the same run on the same model and machine (docs/architecture.md §10).
     npu-pool bench [--quick] [--json out.json] [--plot out.png] [settings flags]
     npu-pool bench --kernels [...]        the launch microbenchmark alone
     npu-pool bench --http [--http-url URL --http-model NAME]   also through HTTP (OpenAI protocol)
+    npu-pool bench --model DIR --vllm-python PATH    vLLM's CPU build as a peer (bench_vllm)
 
 The pool runs on a private embedded Redis. The ceiling and the peers run in their own
 processes (this one never imports torch); the peers need the `bench` extra.
@@ -25,12 +26,14 @@ from rich.console import Console
 
 from producer.bench_ceiling import burst_ideal_ms, workload_ceiling
 from producer.bench_http import http_level, print_http, start_gateway
+from producer.bench_vllm import plot_vllm, print_vllm, vllm_peer, vllm_ratios
 from producer.client import Client
 from producer.embedded import EmbeddedRedis
 from producer.launcher import PoolProcesses
 from producer.loadgen import Workload, run_workload, summarise
 from producer.status import PoolFailed, pool_status
 from producer.status_view import wait_ready_live
+from producer.vllm_env import VllmPeer, VllmUnavailable, check_vllm_peer
 from schemas.config import Settings, add_settings_flags, settings_from_args
 
 
@@ -65,6 +68,11 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("--http-model", default=None, help="model name at --http-url")
     parser.add_argument("--http-api-key", default=None, help="Bearer key for --http-url")
+    parser.add_argument(
+        "--vllm-python",
+        default=None,
+        help="a Python with vLLM: add vLLM as a peer (needs --model DIR)",
+    )
     add_settings_flags(parser)
     args = parser.parse_args(argv)
     try:
@@ -77,7 +85,16 @@ def main(argv: list[str]) -> int:
     levels = args.concurrency or ([1, 8, 64] if args.quick else [1, 4, 16, 64, 128])
     per_level = args.requests or (64 if args.quick else 160)
     try:
-        report = run(settings, args, levels, per_level)
+        vllm = (
+            check_vllm_peer(args.vllm_python, settings, _worker_threads(settings) * settings.ranks)
+            if args.vllm_python
+            else None
+        )
+    except VllmUnavailable as exc:
+        print(f"npu-pool bench: {exc}", file=sys.stderr)
+        return 2
+    try:
+        report = run(settings, args, levels, per_level, vllm)
     except PoolFailed as exc:
         print(f"npu-pool bench: {exc}", file=sys.stderr)
         return 1
@@ -89,11 +106,15 @@ def main(argv: list[str]) -> int:
         args.json.write_text(json.dumps(report, indent=2))
     if args.plot:
         plot(report, args.plot)
-    return 0
+    return 1 if any("error" in report.get(k, {}) for k in ("vllm_offline", "vllm_http")) else 0
 
 
 def run(
-    settings: Settings, args: argparse.Namespace, levels: list[int], per_level: int
+    settings: Settings,
+    args: argparse.Namespace,
+    levels: list[int],
+    per_level: int,
+    vllm: VllmPeer | None = None,
 ) -> dict[str, Any]:
     """Pool at each load level, then the ceiling and the peers, then the ratios."""
     workdir = Path(tempfile.mkdtemp(prefix="npupool-bench-"))
@@ -159,6 +180,8 @@ def run(
             gateway.stop()
         processes.stop(timeout_s=30)
         server.stop()
+    if vllm is not None:  # with the pool and its Redis stopped
+        report |= vllm_peer(vllm, settings, args, levels, per_level, workdir)
     report["planner_us_per_step"] = _planner_us()
     report["ratios"] = ratios(report)
     return report
@@ -381,7 +404,7 @@ def ratios(report: dict[str, Any]) -> dict[str, float | None]:
         out["pool_over_rq_peer_at_64"] = at_64 / report["rq_peer"]["output_tokens_per_s"]
     if "offline_peer" in report:
         out["pool_over_offline_peer"] = best / report["offline_peer"]["output_tokens_per_s"]
-    return out
+    return out | vllm_ratios(report)
 
 
 def print_report(report: dict[str, Any]) -> None:
@@ -422,6 +445,8 @@ def print_report(report: dict[str, Any]) -> None:
     for peer in ("rq_peer", "offline_peer"):
         if peer in report:
             print(f"{peer.replace('_', ' ')}: {report[peer]['output_tokens_per_s']:.0f} tokens/s")
+    if "vllm_offline" in report:
+        print_vllm(report)
     for name, value in report["ratios"].items():
         print(f"{name}: {value:.2f}x" if value is not None else f"{name}: n/a")
 
@@ -456,6 +481,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
                 c="gray",
                 label=peer.replace("_", " "),
             )
+    if "vllm_offline" in report:
+        plot_vllm(left, report)
     left.set(xscale="log", xlabel="concurrent requests", ylabel="output tokens/s")
     left.legend()
     for key, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("e2e_ms", "end-to-end")):
