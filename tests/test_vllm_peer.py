@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from npu_worker.reference import first_divergence
 from npu_worker.tiny import ensure_tiny_model
 from producer import bench
 from producer.client import Client
 from tests.helpers import TIE_TOLERANCE, check_stream, random_prompt
+from tests.reference import first_divergence
 
 transformers = pytest.importorskip("transformers")
 from tests.test_hf_parity import hf_greedy  # noqa: E402 (needs transformers)
