@@ -69,6 +69,9 @@ class Verify:
     span: int
 
 
+EAGER_SPAN_STEP = 32
+
+
 class LaunchRunner:
     """Runs prefill, decode, and MTP verify/draft launches of one rank on its device."""
 
@@ -93,6 +96,9 @@ class LaunchRunner:
             model.config, num_slots, max_kv_len, weight.dtype, self.device, num_layers=layers
         )
         self.backend = make_backend(model, self.cache, self.device, cuda_graphs)
+        # graph backends capture one shape per span, so spans are whole prefill chunks;
+        # eager ones capture nothing and read only as far as the context needs
+        self.span_step = prefill_chunk if not self.backend.reads_in_place else EAGER_SPAN_STEP
         zeros = torch.zeros(num_slots, dtype=torch.long, device=self.device)
         self.tail = TailPool(zeros.clone(), zeros.clone(), zeros.clone())
         self.num_launches = {"prefill": 0, "decode": 0}
@@ -109,9 +115,9 @@ class LaunchRunner:
         return list(range(self.prefill_chunk, self.cache.max_kv_len + 1, self.prefill_chunk))
 
     def span_for(self, context_len: int) -> int:
-        """Cache positions a launch reads: whole prefill chunks covering `context_len`."""
-        chunks = -(-context_len // self.prefill_chunk)
-        return min(self.cache.max_kv_len, chunks * self.prefill_chunk)
+        """Cache positions a launch reads: whole `span_step`s covering `context_len`."""
+        steps = -(-context_len // self.span_step)
+        return min(self.cache.max_kv_len, steps * self.span_step)
 
     def warm_up(self, progress: ReportProgress = no_progress) -> None:
         """Run (and so capture, on graph backends) every launch shape before any request."""
