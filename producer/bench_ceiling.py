@@ -12,11 +12,15 @@ from schemas.config import Settings
 
 def workload_ceiling(kernels: dict[str, Any], workload: Workload, settings: Settings) -> dict:
     """Output tokens/s of `workload` if its prefill and decode launches ran back to back:
-    one B1S`prefill_chunk` launch per prompt chunk, and full decode launches for every
-    token after each request's first (which its last prefill chunk samples)."""
+    full B1S`prefill_chunk` launches for its prompt tokens (packed), or one per prompt
+    chunk (unpacked), and full decode launches for every token after each request's first
+    (which its last prefill chunk samples)."""
     requests = workload.requests()
     chunk, batch = settings.prefill_chunk, settings.decode_batch
-    prefill_launches = sum(math.ceil(len(prompt) / chunk) for prompt, _ in requests)
+    if settings.pack_prefill:
+        prefill_launches = math.ceil(sum(len(prompt) for prompt, _ in requests) / chunk)
+    else:
+        prefill_launches = sum(math.ceil(len(prompt) / chunk) for prompt, _ in requests)
     output_tokens = sum(max_tokens for _, max_tokens in requests)
     decode_launches = (output_tokens - len(requests)) / batch
     prefill_ms = min(
