@@ -40,10 +40,14 @@ def render(
     )
     parts += _limits_lines(status.get("limits", {}))
     for pool in status["pools"]:
-        table = Table(
-            title=f"pool {pool['pool']} — {_pool_state(pool)} (batcher pid "
-            f"{pool['batcher']['pid']} on {pool['batcher']['host']})"
+        parts.append(
+            Text(
+                f"pool {pool['pool']} — {_pool_state(pool)} (batcher pid "
+                f"{pool['batcher']['pid']} on {pool['batcher']['host']})",
+                style="bold",
+            )
         )
+        table = Table()
         for column in ("rank", "pid", "host", "device", "state"):
             table.add_column(column)
         for rank in pool["ranks"]:

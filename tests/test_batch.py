@@ -192,6 +192,9 @@ def test_submit_refuses_a_bad_file_whole_and_names_the_line(
     assert redis_client.scard(KEYS.batches) == 0
     assert not [k for k in redis_client.keys("rq:job:*")]
     assert batch_cli(env, "status", "nope").returncode == 1
+    bare = {k: v for k, v in env.items() if k != "REDIS_URL"}  # the URL after the subcommand
+    after = batch_cli(bare, "status", "nope", "--redis-url", redis_url)
+    assert (after.returncode, after.stderr) == (1, "npu-pool batch: no batch nope\n")
 
 
 def test_a_batch_that_cannot_write_its_output_fails_after_its_retries_with_the_reason(

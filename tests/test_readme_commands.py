@@ -277,7 +277,21 @@ def check_batch_output(
     assert all(r["finish_reason"] in ("length", "stop") for r in records)
 
 
+def check_demo(session: Session, command: str, done: subprocess.CompletedProcess[bytes]) -> None:
+    """Off a terminal the demo prints its table once, when every stream has ended."""
+    assert done.stdout.count(b"live result streams") == 1, done.stdout.decode()[-3000:]
+    assert b"summary" in done.stdout
+
+
+def check_status(session: Session, command: str, done: subprocess.CompletedProcess[bytes]) -> None:
+    """`status` names the Redis it reads and shows the pool `up` started, ready."""
+    shown = done.stdout.decode()
+    assert f"redis: {session.redis_url()}" in shown and "pool default — ready" in shown, shown
+
+
 CHECKS = {
+    "npu-pool demo": check_demo,
+    "npu-pool status": check_status,
     "npu-pool submit": check_submit,
     "npu-pool cancel": check_cancel,
     'redis-cli -u "$REDIS_URL" XRANGE': check_result_stream,
