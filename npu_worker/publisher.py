@@ -144,7 +144,9 @@ class StepPublisher:
         if replies == FENCED:
             log.warning("this rank was replaced or declared lost; it starts afresh")
             return [], True
-        refused, complete, overtaken = [], [], []
+        refused = []
+        complete: list[str] = []
+        overtaken: list[str] = []
         for chunk, reply in zip(output.chunks, replies):
             if reply != APPENDED:
                 self.lost.append(RequestOutcome(chunk.request_id, chunk.admission, 0, lost=True))

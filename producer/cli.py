@@ -58,7 +58,10 @@ def submit_parser() -> argparse.ArgumentParser:
         "--temperature", type=float, default=0.0, help="0 is greedy (default); higher: more random"
     )
     parser.add_argument(
-        "--top-p", type=float, default=1.0, help="nucleus sampling: keep this probability mass"
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="nucleus sampling: keep this much probability mass (default: 1, all)",
     )
     parser.add_argument(
         "--seed", type=int, default=None, help="seed of the random draws: same seed, same text"
@@ -139,8 +142,9 @@ def cancel_main(argv: list[str]) -> int:
     """Cancel requests: queued ones end at once, running ones by the next step."""
     parser = argparse.ArgumentParser(
         prog="npu-pool cancel",
-        description=cancel_main.__doc__ + " Exit 1 if an id is not known: neither queued, "
-        "running, nor finished within its result_ttl_s.",
+        description="Cancel requests: queued ones end at once, running ones by the next step. "
+        "Exit 1 if an id is not known: neither queued, running, nor finished within its "
+        "result_ttl_s.",
     )
     parser.add_argument("request_ids", nargs="+", metavar="ID", help="request ids to cancel")
     add_connection_flags(parser)
