@@ -244,13 +244,16 @@ class Batcher:
 
     def _wait_for_ranks(self) -> None:
         """Until every rank is up, or at least one is and a rank timeout has passed."""
-        started = time.monotonic()
+        started = beat = time.monotonic()
         while not self.stopping:
             self._poll_ranks()
             everyone = len(self.state.ranks) == self.settings.ranks
             waited = time.monotonic() - started > self.settings.rank_timeout_s
             if self.state.ranks and (everyone or waited) and self._load_tokenizer():
                 return
+            if time.monotonic() - beat >= self.settings.heartbeat_s:
+                beat = time.monotonic()
+                self._set_state("starting")  # alive while its ranks load
             time.sleep(0.1)
         raise SystemExit(0)
 
@@ -324,7 +327,9 @@ class Batcher:
         self.redis.hset(self.keys.pool(self.pool), mapping=fields)  # type: ignore[arg-type]
 
     def _set_state(self, state: str) -> None:
-        self.redis.hset(self.keys.pool(self.pool), "state", state)
+        """Record the pool's state with a heartbeat (a state without one reads unresponsive)."""
+        now_ms = int(time.time() * 1000)
+        self.redis.hset(self.keys.pool(self.pool), mapping={"state": state, "hb_ms": now_ms})
 
     # -- intake ---------------------------------------------------------------------------
 

@@ -140,8 +140,12 @@ def measure(settings: Settings, iters: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """Print the launch table and ceiling; optionally write them as JSON."""
-    parser = argparse.ArgumentParser(prog="npu-pool bench --kernels", description=__doc__)
-    parser.add_argument("--iters", type=int, default=50)
+    parser = argparse.ArgumentParser(
+        prog="npu-pool bench --kernels",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--iters", type=int, default=50, help="timed runs of each launch shape")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     add_settings_flags(parser)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)

@@ -24,7 +24,7 @@ def main(argv: list[str]) -> int:
         "and generation_config.json. Without --out it goes into the cache, where "
         "`--model FILE.gguf` finds it.",
     )
-    importing.add_argument("gguf", type=Path, metavar="FILE.gguf")
+    importing.add_argument("gguf", type=Path, metavar="FILE.gguf", help="the GGUF file to import")
     importing.add_argument("--out", type=Path, default=None, help="directory to write")
     args = parser.parse_args(argv)
     return import_main(args.gguf, args.out)

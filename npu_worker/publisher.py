@@ -25,7 +25,7 @@ from schemas.config import Settings
 from schemas.connection import connect
 from schemas.control import RequestOutcome
 from schemas.keys import STEP_RESULTS_MAXLEN, Keys
-from schemas.results import APPENDED, FENCED, STEP_SCRIPT
+from schemas.results import ALREADY_FINAL, APPENDED, FENCED, STEP_SCRIPT
 
 log = logging.getLogger("npu_pool.worker")
 RECORD, RESET, QUIT = b"R", b"X", b"Q"
@@ -145,13 +145,21 @@ class StepPublisher:
             log.warning("this rank was replaced or declared lost; it starts afresh")
             return [], True
         refused = []
+        complete: list[str] = []
+        overtaken: list[str] = []
         for chunk, reply in zip(output.chunks, replies):
             if reply != APPENDED:
                 self.lost.append(RequestOutcome(chunk.request_id, chunk.admission, 0, lost=True))
                 refused.append((chunk.slot, chunk.request_id, chunk.admission))
-        if refused:
+                (complete if reply == ALREADY_FINAL else overtaken).append(chunk.request_id)
+        if complete:  # the idempotent case: an id submitted again after it finished
             log.info(
-                "result streams already moved on (an earlier delivery wrote them): %s",
-                sorted(r for _, r, _ in refused),
+                "already complete, result kept as it is (an id submitted again is served once): %s",
+                sorted(complete),
+            )
+        if overtaken:
+            log.info(
+                "result streams written further by another delivery; dropped here: %s",
+                sorted(overtaken),
             )
         return refused, False

@@ -1,11 +1,12 @@
 """Offline batch jobs through RQ: a JSONL file of requests in, a JSONL file of completions out,
-in input order (`npu-pool batch`).
+in input order (`npu-pool batch`). Lines are numbered from 1, as in an editor: errors and the
+output's `line` field use the same numbers; blank lines are skipped.
 
 A batch is one RQ job (JSON serializer, so nothing is pickled; `Retry` for a run that raises;
 a job timeout). The job keeps at most `window` of its requests in the pool and appends each
 completion as soon as every line before it is written, so the output is always a prefix of
-the answer. Request ids are `{batch}-{line}`: a run that resumes after a crash keeps the lines
-already written, waits for the ones already sent, and sends nothing twice.
+the answer. Request ids are `{batch}-{line number}`: a run that resumes after a crash keeps
+the lines already written, waits for the ones already sent, and sends nothing twice.
 
 One run at a time holds the batch's lease, a redis-py `Lock` renewed from a thread; a run that
 loses it stops before writing another line. `npu-pool batch worker` hands a batch whose lease
@@ -96,9 +97,17 @@ class BatchInfo:
         return cls(**typed)
 
 
-def request_id(batch_id: str, line: int) -> str:
+@dataclass(frozen=True, slots=True)
+class Line:
+    """One request of a batch: its line number in the input file (from 1) and its text."""
+
+    number: int
+    text: str
+
+
+def request_id(batch_id: str, line: Line) -> str:
     """The pool request id of one input line."""
-    return f"{batch_id}-{line}"
+    return f"{batch_id}-{line.number}"
 
 
 def parse_line(text: str, number: int) -> dict[str, Any]:
@@ -123,15 +132,20 @@ def parse_line(text: str, number: int) -> dict[str, Any]:
     return fields_
 
 
-def read_input(path: Path) -> tuple[list[str], str]:
-    """The lines of an input file and its digest; every line is checked."""
+def read_input(path: Path) -> tuple[list[Line], str]:
+    """The requests of an input file (its lines that are not blank) and the file's digest;
+    every line is checked."""
     try:
         data = path.read_bytes()
     except OSError as exc:
         raise BatchError(f"cannot read {path}: {exc.strerror}") from None
-    lines = data.decode("utf-8", errors="strict").splitlines()
-    for number, line in enumerate(lines, 1):
-        parse_line(line, number)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BatchError(f"{path} is not UTF-8 (byte {exc.start})") from None
+    lines = [Line(number, line) for number, line in enumerate(text.splitlines(), 1) if line.strip()]
+    for line in lines:
+        parse_line(line.text, line.number)
     if not lines:
         raise BatchError(f"{path} holds no requests")
     return lines, hashlib.sha256(data).hexdigest()
@@ -252,13 +266,14 @@ def _run(client: Client, batch_id: str, info: BatchInfo, lost: threading.Event) 
     sent = max(info.sent, done)
     client.redis.hset(keys.batch(batch_id), mapping={"state": "running", "done": done})
     # lines a dead run wrote after its last progress report: their streams are not needed
-    reported, written = 0.0, [keys.result(request_id(batch_id, i)) for i in range(info.done, done)]
+    reported = 0.0
+    written = [keys.result(request_id(batch_id, lines[i])) for i in range(info.done, done)]
     with output.open("ab") as out:
         while done < info.total:
             while sent < info.total and sent - done < info.window:
                 _send(client, batch_id, sent, lines[sent])
                 sent += 1
-            record = _wait(client, batch_id, done, lines[done], lost)
+            record = _wait(client, batch_id, lines[done], lost)
             out.write(json.dumps(record).encode() + b"\n")
             out.flush()
             written.append(keys.result(record["id"]))
@@ -279,24 +294,23 @@ def _run(client: Client, batch_id: str, info: BatchInfo, lost: threading.Event) 
     return done
 
 
-def _send(client: Client, batch_id: str, line: int, text: str) -> None:
-    """Put one line's request in the pool and count it sent, in one atomic step."""
-    fields_ = parse_line(text, line + 1)
+def _send(client: Client, batch_id: str, index: int, line: Line) -> None:
+    """Put one line's request in the pool and count it sent (`index` + 1 requests), in one
+    atomic step."""
+    fields_ = parse_line(line.text, line.number)
     fields_.pop(PASSTHROUGH, None)
     fields_.setdefault("result_ttl_s", RESULT_TTL_S)
     prompt, ids = fields_.pop("prompt", None), fields_.pop("prompt_token_ids", None)
     request = build_request(prompt, ids, request_id(batch_id, line), fields_)
     while True:
         try:
-            client.enqueue(request, mark=(client.keys.batch(batch_id), "sent", line + 1))
+            client.enqueue(request, mark=(client.keys.batch(batch_id), "sent", index + 1))
             return
         except QueueFull:
             time.sleep(0.5)  # the window bounds what this batch adds; wait for others
 
 
-def _wait(
-    client: Client, batch_id: str, line: int, text: str, lost: threading.Event
-) -> dict[str, Any]:
+def _wait(client: Client, batch_id: str, line: Line, lost: threading.Event) -> dict[str, Any]:
     """The output record of one line, once its completion is final."""
     while True:  # sent lines are in the pool until written: their streams outlive a pause
         if lost.is_set():
@@ -308,8 +322,8 @@ def _wait(
             continue
     if lost.is_set():
         raise LeaseLost(batch_id)
-    record: dict[str, Any] = {"line": line}
-    custom = json.loads(text).get(PASSTHROUGH)
+    record: dict[str, Any] = {"line": line.number}
+    custom = json.loads(line.text).get(PASSTHROUGH)
     if custom is not None:
         record[PASSTHROUGH] = custom
     record.update(completion.model_dump(mode="json"))

@@ -7,9 +7,13 @@
 
 Each input line is a JSON object of `npu-pool submit` fields: `prompt` or `prompt_token_ids`,
 sampling fields (`max_tokens`, `temperature`, ...), `priority`, `metadata`, and an optional
-`custom_id` echoed on its output line. Output line N is `{"line": N, "id", "text",
-"token_ids", "finish_reason", "usage", "error"}`. Paths are resolved where `submit` runs and
-read or written where the batch worker runs: give them a shared filesystem.
+`custom_id` echoed on its output line; blank lines are skipped. Each output line is
+`{"line": N, "custom_id"?, "id", "text", "token_ids", "finish_reason", "usage", "error"}`, in
+input order, N being the request's line number in the input counted from 1 (as errors count
+them). Paths are resolved where `submit` runs and read or written where the batch worker
+runs: give them a shared filesystem.
+
+Redis: --redis-url, else REDIS_URL, else the running `npu-pool up` on this machine.
 
 A plain RQ worker serves batches too:
     rq worker --url "$REDIS_URL" --serializer rq.serializers.JSONSerializer npupool-batch
@@ -119,29 +123,47 @@ def result(client: Client, batch_id: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Flags of `npu-pool batch`."""
+    """Flags of `npu-pool batch`; `--redis-url` and `--namespace` go before or after the
+    subcommand."""
     parser = argparse.ArgumentParser(
         prog="npu-pool batch",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--redis-url", default=None, help="default: REDIS_URL")
-    parser.add_argument("--namespace", default=None, help="default: NPUPOOL_NAMESPACE")
+    _connection_flags(parser, argparse.SUPPRESS)
+    connection = argparse.ArgumentParser(add_help=False)
+    _connection_flags(connection, argparse.SUPPRESS)
     commands = parser.add_subparsers(dest="command", required=True)
-    sub = commands.add_parser("submit", help="check a JSONL file of requests and enqueue it")
-    sub.add_argument("input", type=Path)
+
+    def command(name: str, help_text: str) -> argparse.ArgumentParser:
+        return commands.add_parser(name, help=help_text, parents=[connection])
+
+    sub = command("submit", "check a JSONL file of requests and enqueue it; prints the batch id")
+    sub.add_argument("input", type=Path, help="JSONL file, one request per line")
     sub.add_argument("--out", type=Path, required=True, help="JSONL output (must not exist)")
     sub.add_argument("--window", type=int, default=32, help="requests in the pool at once")
     sub.add_argument("--job-timeout", type=int, default=24 * 3600, help="RQ job timeout, s")
     sub.add_argument("--retries", type=int, default=3, help="RQ retries of a run that raises")
-    worker = commands.add_parser("worker", help="run an RQ worker for batch jobs")
+    worker = command("worker", "run an RQ worker for batch jobs")
     worker.add_argument("--burst", action="store_true", help="exit once the queue is empty")
-    show = commands.add_parser("status", help="a batch's progress")
-    show.add_argument("batch_id")
+    show = command("status", "a batch's progress")
+    show.add_argument("batch_id", help="the id `batch submit` printed")
     show.add_argument("--watch", action="store_true", help="follow it live until it ends")
     show.add_argument("--json", action="store_true", help="the batch record as JSON")
-    commands.add_parser("result", help="where a batch's output is").add_argument("batch_id")
+    done = command("result", "where a batch's output is; exit 3 while it is not finished")
+    done.add_argument("batch_id", help="the id `batch submit` printed")
     return parser
+
+
+def _connection_flags(parser: argparse.ArgumentParser, default: object) -> None:
+    parser.add_argument(
+        "--redis-url",
+        default=default,
+        help="default: REDIS_URL, else the running `npu-pool up` (`npu-pool status --url`)",
+    )
+    parser.add_argument(
+        "--namespace", default=default, help="prefix of the pool's Redis keys (default: npupool)"
+    )
 
 
 def main(argv: list[str]) -> int:
@@ -149,7 +171,7 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
-        client = Client(args.redis_url, args.namespace)
+        client = Client(getattr(args, "redis_url", None), getattr(args, "namespace", None))
         client.redis.ping()
     except (ConnectionError, redis.RedisError) as exc:
         print(f"npu-pool batch: cannot reach Redis: {exc}", file=sys.stderr)

@@ -42,15 +42,55 @@ def main(argv: list[str]) -> int:
     if "--kernels" in argv:
         rest = [a for a in argv if a != "--kernels"]
         return subprocess.call([sys.executable, "-m", "npu_worker.kernel_bench", *rest])
-    parser = argparse.ArgumentParser(prog="npu-pool bench", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="npu-pool bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--kernels",
+        action="store_true",
+        help="run the launch microbenchmark alone (`npu-pool bench --kernels --help`: its flags)",
+    )
     parser.add_argument("--quick", action="store_true", help="small run, a few minutes")
     parser.add_argument("--json", type=Path, default=None, help="write the report here")
     parser.add_argument("--plot", type=Path, default=None, help="write a PNG plot here")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=None)
-    parser.add_argument("--requests", type=int, default=None, help="requests per load level")
-    parser.add_argument("--prompt-len", type=int, nargs=2, default=[32, 96])
-    parser.add_argument("--output-len", type=int, nargs=2, default=[48, 80])
-    parser.add_argument("--peer-requests", type=int, default=None)
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help="load levels: requests in flight at once (default: 1 4 16 64 128; --quick: 1 8 64)",
+    )
+    parser.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help="requests per load level (default: 160; --quick: 64)",
+    )
+    parser.add_argument(
+        "--prompt-len",
+        type=int,
+        nargs=2,
+        default=[32, 96],
+        metavar=("MIN", "MAX"),
+        help="prompt tokens, drawn uniformly (default: 32 96)",
+    )
+    parser.add_argument(
+        "--output-len",
+        type=int,
+        nargs=2,
+        default=[48, 80],
+        metavar=("MIN", "MAX"),
+        help="completion tokens, drawn uniformly (default: 48 80)",
+    )
+    parser.add_argument(
+        "--peer-requests",
+        type=int,
+        default=None,
+        help="requests the queue-worker peer serves (default: 64; --quick: 16)",
+    )
     parser.add_argument("--no-peers", action="store_true", help="skip the transformers peers")
     parser.add_argument(
         "--burst",
@@ -58,8 +98,12 @@ def main(argv: list[str]) -> int:
         default=64,
         help="after the levels, this many requests at once, for TTFT under a burst (0: none)",
     )
-    parser.add_argument("--slo-ttft-ms", type=float, default=1000.0)
-    parser.add_argument("--slo-tpot-ms", type=float, default=100.0)
+    parser.add_argument(
+        "--slo-ttft-ms", type=float, default=1000.0, help="goodput: time to first token at most"
+    )
+    parser.add_argument(
+        "--slo-tpot-ms", type=float, default=100.0, help="goodput: time per output token at most"
+    )
     parser.add_argument(
         "--http", action="store_true", help="also drive each level through `npu-pool gateway`"
     )

@@ -112,14 +112,19 @@ async def _workload(
     client = AsyncClient(url, settings.namespace)
     try:
         tail_width = max(16, console.width - 76)  # what the other columns leave
-        with Live(_table(rows, tail_width), console=console, refresh_per_second=8) as live:
-            tasks = [asyncio.create_task(_one(client, row, max_tokens)) for row in rows]
-            while not all(t.done() for t in tasks):
+        tasks = [asyncio.create_task(_one(client, row, max_tokens)) for row in rows]
+        if console.is_terminal:
+            with Live(_table(rows, tail_width), console=console, refresh_per_second=8) as live:
+                while not all(t.done() for t in tasks):
+                    live.update(_table(rows, tail_width))
+                    await asyncio.sleep(0.1)
                 live.update(_table(rows, tail_width))
-                await asyncio.sleep(0.1)
-            live.update(_table(rows, tail_width))
-            for task in tasks:
-                task.result()
+        else:  # a file or a pipe: the table once, when every stream has ended
+            await asyncio.wait(tasks)
+            if not (rows and rows[0].request.chat):  # chat answers get a table of their own
+                console.print(_table(rows, tail_width))
+        for task in tasks:
+            task.result()
     finally:
         await client.close()
 
@@ -177,8 +182,20 @@ def _summary(rows: list[Row], wall_s: float, settings: Settings, pool: dict[str,
 def main(argv: list[str]) -> int:
     """Run the demo; exit 0 when every request ended normally."""
     parser = argparse.ArgumentParser(prog="npu-pool demo", description=__doc__)
-    parser.add_argument("--requests", type=int, default=None, help="concurrent requests")
-    parser.add_argument("--max-tokens", type=int, default=None)
+    parser.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help=f"concurrent requests (default: {default_num_requests('smollm2')} for SmolLM2, "
+        f"{default_num_requests('tiny')} for other models)",
+    )
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help=f"most tokens per answer (default: {default_max_tokens('smollm2')} for SmolLM2, "
+        f"{default_max_tokens('tiny')} for other models)",
+    )
     add_settings_flags(parser)
     args = parser.parse_args(argv)
     console = Console()

@@ -67,11 +67,12 @@ class PoolProcesses:
         client = connect(self.env["REDIS_URL"])
         try:
             keys = Keys(self.settings.namespace)
+            now_ms = int(time.time() * 1000)
             pipe = client.pipeline(transaction=False)
             for rank in range(self.settings.ranks):
                 key = keys.rank(self.settings.pool, rank)
-                pipe.hdel(key, "reason")
-                pipe.hset(key, "state", "starting")
+                pipe.hdel(key, "reason", "progress", "progress_done", "progress_total")
+                pipe.hset(key, mapping={"state": "starting", "hb_ms": now_ms})
             pipe.execute()
         finally:
             client.close()

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import re
 import uuid
+from collections.abc import Mapping
 from typing import Any
+
+from pydantic import ValidationError
 
 from schemas.codec import encode
 from schemas.keys import Keys
@@ -141,3 +145,15 @@ def assemble(request_id: str, chunks: list[ResultChunk]) -> Completion:
         usage=final.usage,
         error=final.error,
     )
+
+
+def invalid_reason(exc: ValidationError, names: Mapping[str, str]) -> str:
+    """The first thing pydantic found wrong, as one line: the field as the caller knows it
+    (`names` maps field names to, say, command-line flags), the value given and the rule."""
+    error = exc.errors(include_url=False)[0]
+    rule = re.sub(r"^(Input|String|List|Value) should", "must", error["msg"])
+    rule = rule.removeprefix("Value error, ")
+    if not error["loc"]:  # a rule across fields: its message names them
+        return rule
+    field = str(error["loc"][-1])
+    return f"{names.get(field, field)}={error['input']!r}: {rule}"

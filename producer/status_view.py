@@ -15,32 +15,45 @@ from rich.table import Table
 from rich.text import Text
 
 from producer.status import collect_status, pool_status, ready_pool
+from schemas.config import redacted_url
 from schemas.keys import Keys
 
+# Rank states before `ready`: registered by its supervisor, loading the model, warming up.
+STARTING_STATES = ("starting", "loading", "warming")
 
-def render(status: dict[str, Any], rates: dict[str, float] | None = None) -> RenderableType:
-    """Queue line, then per pool: ranks table and counters (tokens/s when known)."""
+
+def render(
+    status: dict[str, Any], rates: dict[str, float] | None = None, url: str | None = None
+) -> RenderableType:
+    """Redis and queue lines, then per pool: ranks table and counters (tokens/s when known)."""
     queue = status["queue"]
     classes = ", ".join(f"p{c}: {n}" for c, n in queue.get("by_priority", {}).items())
-    parts: list[RenderableType] = [
+    parts: list[RenderableType] = []
+    if url is not None:
+        parts.append(Text(f"redis: {redacted_url(url)}"))
+    parts.append(
         Text(
             f"queue: {queue['outstanding']} outstanding"
             + (f" ({classes})" if classes else "")
             + f", {queue['in_progress']} in progress, {queue['dead']} dead letters"
         )
-    ]
+    )
     parts += _limits_lines(status.get("limits", {}))
     for pool in status["pools"]:
-        table = Table(
-            title=f"pool {pool['pool']} — {pool['state']} (batcher pid "
-            f"{pool['batcher']['pid']} on {pool['batcher']['host']})"
+        parts.append(
+            Text(
+                f"pool {pool['pool']} — {_pool_state(pool)} (batcher pid "
+                f"{pool['batcher']['pid']} on {pool['batcher']['host']})",
+                style="bold",
+            )
         )
+        table = Table()
         for column in ("rank", "pid", "host", "device", "state"):
             table.add_column(column)
         for rank in pool["ranks"]:
             cells = [str(rank[c]) for c in ("rank", "pid", "host", "device", "state")]
             progress = rank["progress"]
-            if rank["state"] in ("loading", "warming") and progress["total"]:
+            if rank["state"] in STARTING_STATES and progress["total"]:
                 cells[-1] += f" ({progress['what']}: {progress['done']}/{progress['total']})"
             table.add_row(*cells)
         parts.append(table)
@@ -63,6 +76,14 @@ def render(status: dict[str, Any], rates: dict[str, float] | None = None) -> Ren
     return Group(*parts)
 
 
+def _pool_state(pool: dict[str, Any]) -> str:
+    """The pool's state; while it starts, how many of its ranks are ready."""
+    if pool["state"] != "starting" or not pool["ranks"]:
+        return str(pool["state"])
+    ready = sum(r["state"] == "ready" for r in pool["ranks"])
+    return f"starting, {ready}/{len(pool['ranks'])} ranks ready"
+
+
 def _limits_lines(limits: dict[str, Any]) -> list[RenderableType]:
     """The bound admission applies, and a warning when the pools' own values differ."""
     if "max_queue" not in limits:
@@ -80,24 +101,36 @@ def _limits_lines(limits: dict[str, Any]) -> list[RenderableType]:
     return lines
 
 
-def watch(client: redis.Redis, keys: Keys, interval_s: float = 1.0) -> None:
-    """Refresh the view every `interval_s` until Ctrl-C, with tokens/s per pool."""
+def watch(client: redis.Redis, keys: Keys, interval_s: float = 1.0, url: str | None = None) -> None:
+    """Refresh the view every `interval_s` until Ctrl-C, with tokens/s per pool; when the
+    output is not a terminal, print one plain snapshot per interval instead."""
+    console = Console()
     last: dict[str, tuple[float, int]] = {}
-    with Live(console=Console(), auto_refresh=False) as live:
-        try:
+
+    def snapshot() -> RenderableType:
+        status = collect_status(client, keys)
+        now = time.monotonic()
+        rates = {}
+        for pool in status["pools"]:
+            before = last.get(pool["pool"])
+            if before is not None and now > before[0]:
+                rates[pool["pool"]] = (pool["tokens"] - before[1]) / (now - before[0])
+            last[pool["pool"]] = (now, pool["tokens"])
+        return render(status, rates, url)
+
+    try:
+        if not console.is_terminal:
             while True:
-                status = collect_status(client, keys)
-                now = time.monotonic()
-                rates = {}
-                for pool in status["pools"]:
-                    before = last.get(pool["pool"])
-                    if before is not None and now > before[0]:
-                        rates[pool["pool"]] = (pool["tokens"] - before[1]) / (now - before[0])
-                    last[pool["pool"]] = (now, pool["tokens"])
-                live.update(render(status, rates), refresh=True)
+                console.print(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')}")
+                console.print(snapshot())
+                console.file.flush()
                 time.sleep(interval_s)
-        except KeyboardInterrupt:
-            pass
+        with Live(console=console, auto_refresh=False) as live:
+            while True:
+                live.update(snapshot(), refresh=True)
+                time.sleep(interval_s)
+    except KeyboardInterrupt:
+        pass
 
 
 def wait_ready_live(

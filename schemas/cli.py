@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import sys
 
 from schemas.extras import COMMAND_EXTRAS, MissingExtra, extra_for, require
@@ -36,8 +37,16 @@ def usage() -> str:
     """The top-level help text."""
     lines = ["usage: npu-pool COMMAND [options]", "", "commands:"]
     lines += [f"  {name:<9} {help_text}" for name, (_, _, help_text) in COMMANDS.items()]
-    lines += ["", "`npu-pool COMMAND --help` shows a command's options."]
+    lines += ["", "`npu-pool COMMAND --help` shows a command's options; `npu-pool --version`."]
     return "\n".join(lines)
+
+
+def version() -> str:
+    """The installed version of the `npu-pool` distribution."""
+    try:
+        return importlib.metadata.version("npu-pool")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+        return "unknown (not installed)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help", "help"):
         print(usage())
+        return 0
+    if args[0] in ("-V", "--version"):
+        print(f"npu-pool {version()}")
         return 0
     name, rest = args[0], args[1:]
     if name not in COMMANDS:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import urllib.parse
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
@@ -12,6 +13,9 @@ import platformdirs
 from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+# `--model` names that are not paths: models built (tiny, small) or imported (smollm2) into
+# the cache on first use (npu_worker/presets.py).
+MODEL_PRESETS = ("tiny", "small", "smollm2")
 # A service exits with this when a restart cannot help (bad configuration, a model that
 # cannot load): supervisors stop instead of restarting it.
 EXIT_FAILED = 3
@@ -36,7 +40,8 @@ class Settings(BaseSettings):
     namespace: str = Field(default="npupool", description="prefix of every Redis key")
     pool: str = Field(default="default", description="name of this pool")
     model: str = Field(
-        default="tiny", description="model directory, .gguf file, or tiny, small, smollm2"
+        default="tiny",
+        description=f"a model directory, a .gguf file, or a preset: {', '.join(MODEL_PRESETS)}",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16", "float64"] = Field(
         default="auto", description="weights and KV dtype; auto: the checkpoint's"
@@ -174,6 +179,15 @@ def resolve_redis_url(redis_url: str | None) -> str:
         "no Redis to talk to: pass --redis-url, set REDIS_URL, or start `npu-pool up` "
         f"(it records its embedded Redis in {record})"
     )
+
+
+def redacted_url(url: str) -> str:
+    """`url` with its password shown as `***`, for logs and `npu-pool status`."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
 
 
 def _pid_alive(pid: int) -> bool:

@@ -91,8 +91,8 @@ def test_batch_of_200_survives_a_killed_rq_worker_in_order_and_without_repeats(
                 process.kill()
                 process.wait()
     records = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["line"] for r in records] == list(range(200))
-    assert [r["id"] for r in records] == [f"{batch_id}-{i}" for i in range(200)]
+    assert [r["line"] for r in records] == list(range(1, 201))  # numbered as in an editor
+    assert [r["id"] for r in records] == [f"{batch_id}-{i}" for i in range(1, 201)]
     assert all(len(r["token_ids"]) == 24 and r["finish_reason"] == "length" for r in records)
     for line in (0, 61, 199):  # greedy tokens equal the same request run alone
         alone = client.generate(
@@ -129,9 +129,11 @@ def test_plain_rq_worker_runs_a_batch_and_a_rejected_line_keeps_its_place(
     lines[2] = {"prompt_token_ids": [7] * 5000, "max_tokens": 4, "custom_id": "too-long"}
     out = tmp_path / "sub" / "out.jsonl"
     env = dict(os.environ, REDIS_URL=redis_url)
-    submitted = batch_cli(
-        env, "submit", str(write_jsonl(tmp_path / "in.jsonl", lines)), "--out", str(out)
-    )
+    text = [json.dumps(r) for r in lines]
+    text[2:2] = [""]  # blank lines (one of them last) are skipped, not refused
+    text[5:5] = ["  "]
+    (tmp_path / "in.jsonl").write_text("\n".join(text) + "\n\n")
+    submitted = batch_cli(env, "submit", str(tmp_path / "in.jsonl"), "--out", str(out))
     assert submitted.returncode == 0, submitted.stderr
     batch_id = submitted.stdout.strip()
     pending = batch_cli(env, "result", batch_id)
@@ -157,6 +159,7 @@ def test_plain_rq_worker_runs_a_batch_and_a_rejected_line_keeps_its_place(
     assert worker.returncode == 0, worker.stderr[-3000:]
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["custom_id"] for r in records] == ["c0", "c1", "too-long", "c3", "c4"]
+    assert [r["line"] for r in records] == [1, 2, 4, 5, 7]  # the input's own line numbers
     assert records[2]["finish_reason"] == "rejected" and "max_model_len" in str(records[2]["error"])
     for record, alone in zip(records, lines):
         if record["finish_reason"] != "rejected":
@@ -179,16 +182,19 @@ def test_submit_refuses_a_bad_file_whole_and_names_the_line(
     }
     for expected, bad in cases.items():
         path = tmp_path / "bad.jsonl"
-        path.write_text(json.dumps(good) + "\n" + bad + "\n")
+        path.write_text(json.dumps(good) + "\n\n" + bad + "\n")  # counted as in an editor
         refused = batch_cli(env, "submit", str(path), "--out", str(tmp_path / "o.jsonl"))
         assert refused.returncode == 2, (expected, refused.stderr)
-        assert "line 2" in refused.stderr and expected in refused.stderr, refused.stderr
+        assert "line 3" in refused.stderr and expected in refused.stderr, refused.stderr
     existing = write_jsonl(tmp_path / "done.jsonl", [good])
     refused = batch_cli(env, "submit", str(existing), "--out", str(existing))
     assert refused.returncode == 2 and "not empty" in refused.stderr
     assert redis_client.scard(KEYS.batches) == 0
     assert not [k for k in redis_client.keys("rq:job:*")]
     assert batch_cli(env, "status", "nope").returncode == 1
+    bare = {k: v for k, v in env.items() if k != "REDIS_URL"}  # the URL after the subcommand
+    after = batch_cli(bare, "status", "nope", "--redis-url", redis_url)
+    assert (after.returncode, after.stderr) == (1, "npu-pool batch: no batch nope\n")
 
 
 def test_a_batch_that_cannot_write_its_output_fails_after_its_retries_with_the_reason(

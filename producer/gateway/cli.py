@@ -21,9 +21,15 @@ def build_parser() -> argparse.ArgumentParser:
         "(/v1/requests/ID/events) and /health.",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--redis-url", default=None)
-    parser.add_argument("--namespace", default=None)
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    parser.add_argument(
+        "--redis-url",
+        default=None,
+        help="default: REDIS_URL, else the running `npu-pool up` (`npu-pool status --url`)",
+    )
+    parser.add_argument(
+        "--namespace", default=None, help="prefix of the pools' Redis keys (default: npupool)"
+    )
     parser.add_argument(
         "--api-key",
         action="append",
@@ -42,7 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
         "early rejection can still be an HTTP error",
     )
     parser.add_argument("--access-log", action="store_true", help="one log line per request")
-    parser.add_argument("--log-level", default="info")
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="least severe log lines shown (default: info)",
+    )
     return parser
 
 
