@@ -25,8 +25,14 @@ from typing import Any
 from rich.console import Console
 
 from producer.bench_ceiling import burst_ideal_ms, workload_ceiling
-from producer.bench_http import http_level, print_http, start_gateway
-from producer.bench_vllm import plot_vllm, print_vllm, vllm_peer, vllm_ratios
+from producer.bench_http import (
+    GatewayProcess,
+    http_level,
+    print_http,
+    run_http_workload,
+    start_gateway,
+)
+from producer.bench_vllm import burst_workload, plot_vllm, print_vllm, vllm_peer, vllm_ratios
 from producer.client import Client
 from producer.embedded import EmbeddedRedis
 from producer.launcher import PoolProcesses
@@ -203,7 +209,7 @@ def run(
                     file=sys.stderr,
                 )
             if args.burst:
-                report["burst"] = _burst(client, url, settings, args)
+                report["burst"] = _burst(client, url, settings, args, gateway)
         processes.stop(timeout_s=30)
         report["ceiling"] = _kernel_ceiling(settings)
         for level in report["levels"]:
@@ -212,7 +218,7 @@ def run(
             )
             level["workload_ceiling"] = workload_ceiling(report["ceiling"], workload, settings)
         if "burst" in report:
-            ideal = burst_ideal_ms(report["ceiling"], _burst_workload(args), settings)
+            ideal = burst_ideal_ms(report["ceiling"], burst_workload(args), settings)
             report["burst"]["prefill_bound_ideal_ms"] = ideal
             report["burst"]["ttft_p99_over_ideal"] = report["burst"]["ttft_ms"]["p99"] / ideal
         if not args.no_peers:
@@ -231,20 +237,17 @@ def run(
     return report
 
 
-def _burst_workload(args: argparse.Namespace) -> Workload:
-    return Workload(
-        args.burst,
-        tuple(args.prompt_len),
-        tuple(args.output_len),
-        concurrency=args.burst,
-        seed=4242,
-    )
-
-
-def _burst(client: Client, url: str, settings: Settings, args: argparse.Namespace) -> dict:
-    """`--burst N` requests arriving at once: their TTFT percentiles and prefill efficiency."""
+def _burst(
+    client: Client,
+    url: str,
+    settings: Settings,
+    args: argparse.Namespace,
+    gateway: GatewayProcess | None,
+) -> dict:
+    """`--burst N` requests arriving at once: their TTFT percentiles and prefill efficiency
+    (through the Redis client), and their TTFT percentiles through the gateway if it runs."""
     before = pool_status(client.redis, client.keys, settings.pool, 0)
-    traces, wall = asyncio.run(run_workload(url, settings.namespace, _burst_workload(args)))
+    traces, wall = asyncio.run(run_workload(url, settings.namespace, burst_workload(args)))
     summary = summarise(traces, wall, args.slo_ttft_ms, args.slo_tpot_ms)
     counters = _pool_counters(client, settings, before)
     print(f"  burst of {args.burst}: TTFT p99 {summary['ttft_ms']['p99']:.0f} ms", file=sys.stderr)
@@ -254,7 +257,17 @@ def _burst(client: Client, url: str, settings: Settings, args: argparse.Namespac
         "output_tokens_per_s": summary["output_tokens_per_s"],
         "prefill_efficiency": counters["prefill_efficiency"],
         "prefill_launches_per_request": counters["prefill_launches"] / args.burst,
-    }
+    } | _gateway_burst(args, settings.model, gateway)
+
+
+def _gateway_burst(
+    args: argparse.Namespace, model: str, gateway: GatewayProcess | None
+) -> dict[str, Any]:
+    if gateway is None:
+        return {}
+    traces, wall = asyncio.run(run_http_workload(gateway.base_url, model, burst_workload(args)))
+    summary = summarise(traces, wall, args.slo_ttft_ms, args.slo_tpot_ms)
+    return {"gateway_ttft_ms": summary["ttft_ms"]}
 
 
 def _planner_us() -> float:
@@ -437,13 +450,14 @@ def ratios(report: dict[str, Any]) -> dict[str, float | None]:
     best = max(level["output_tokens_per_s"] for level in levels)
     at_64 = next((lv["output_tokens_per_s"] for lv in levels if lv["concurrency"] == 64), best)
     out: dict[str, float | None] = {
-        "burst_ttft_p99_over_ideal": report.get("burst", {}).get("ttft_p99_over_ideal"),
         "pool_over_ceiling": best / report["ceiling"]["output_tokens_per_s"],
         "pool_over_workload_ceiling": max(
             lv["output_tokens_per_s"] / lv["workload_ceiling"]["output_tokens_per_s"]
             for lv in levels
         ),
     }
+    if "burst" in report:
+        out["burst_ttft_p99_over_ideal"] = report["burst"]["ttft_p99_over_ideal"]
     if "rq_peer" in report:
         out["pool_over_rq_peer_at_64"] = at_64 / report["rq_peer"]["output_tokens_per_s"]
     if "offline_peer" in report:
@@ -482,6 +496,12 @@ def print_report(report: dict[str, Any]) -> None:
             f"{_share(burst['prefill_efficiency'])}, "
             f"{burst['prefill_launches_per_request']:.2f} prefill launches per request"
         )
+        if "gateway_ttft_ms" in burst:
+            ttft = burst["gateway_ttft_ms"]
+            print(
+                f"burst of {burst['requests']} through the gateway: TTFT p50 {ttft['p50']:.0f} / "
+                f"p90 {ttft['p90']:.0f} / p99 {ttft['p99']:.0f} ms"
+            )
     print(
         f"planner: {report['planner_us_per_step']:.0f} us per step "
         "(64 running + 64 waiting, 8 ranks)"

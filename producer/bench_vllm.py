@@ -54,6 +54,12 @@ def level_workload(args: argparse.Namespace, per_level: int, level: int) -> Work
     )
 
 
+def burst_workload(args: argparse.Namespace) -> Workload:
+    """`--burst N`: N seeded requests that all arrive at once."""
+    lengths = (tuple(args.prompt_len), tuple(args.output_len))
+    return Workload(args.burst, *lengths, concurrency=args.burst, seed=4242)
+
+
 def vllm_peer(
     peer: VllmPeer,
     settings: Settings,
@@ -90,6 +96,11 @@ def vllm_peer(
             workload = level_workload(args, per_level, level)
             traces, wall = asyncio.run(run_http_workload(server.base_url, SERVED_NAME, workload))
             entry["levels"].append(summarise(traces, wall, *slos) | {"concurrency": level})
+        if args.burst:
+            traces, wall = asyncio.run(
+                run_http_workload(server.base_url, SERVED_NAME, burst_workload(args))
+            )
+            entry["burst"] = {"requests": args.burst} | summarise(traces, wall, *slos)
     except (RuntimeError, httpx.HTTPError) as exc:
         entry["error"] = f"vLLM's server failed under load ({exc}); its log: {server.log_path}"
     finally:
@@ -211,6 +222,10 @@ def vllm_ratios(report: dict[str, Any]) -> dict[str, float | None]:
             out["ceiling_over_vllm_offline_decode"] = (
                 report["ceiling"]["output_tokens_per_s"] / decode
             )
+    if "burst" in report and "burst" in http:
+        out["burst_ttft_p99_over_vllm_http"] = (
+            report["burst"]["ttft_ms"]["p99"] / http["burst"]["ttft_ms"]["p99"]
+        )
     server = _at(http["levels"], level)
     if pool is not None and server is not None:
         out["pool_over_vllm_http"] = pool["output_tokens_per_s"] / server["output_tokens_per_s"]
@@ -248,6 +263,12 @@ def print_vllm(report: dict[str, Any]) -> None:
             f"vllm http {level['concurrency']:>4}: {level['output_tokens_per_s']:8.0f} tokens/s,"
             f" TTFT p50 {level['ttft_ms']['p50']:.0f} ms p99 {level['ttft_ms']['p99']:.0f} ms,"
             f" ITL p50 {level['itl_ms']['p50']:.1f} ms, e2e p50 {level['e2e_ms']['p50']:.0f} ms"
+        )
+    if "burst" in http:
+        ttft = http["burst"]["ttft_ms"]
+        print(
+            f"vllm http burst of {http['burst']['requests']}: TTFT p50 {ttft['p50']:.0f} / "
+            f"p90 {ttft['p90']:.0f} / p99 {ttft['p99']:.0f} ms"
         )
     if "error" in http:
         print(f"vllm http: failed: {http['error']}")

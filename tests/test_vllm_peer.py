@@ -116,6 +116,7 @@ def _level(concurrency: int, tokens_per_s: float) -> dict[str, object]:
         "e2e_ms": ms,
         "goodput_requests_per_s": 1.0,
         "padding_waste": 0.0,
+        "workload_ceiling": {"output_tokens_per_s": 2500.0},
     }
 
 
@@ -142,11 +143,26 @@ def test_report_compares_the_pool_at_64_with_vllm_offline_and_its_server_at_64(
             "output_tokens_per_s": 3000.0,
             "decode_tokens_per_s": 6000.0,
         },
-        "vllm_http": peer | {"levels": [_level(1, 400.0), _level(64, 2000.0)]},
+        "vllm_http": peer
+        | {
+            "levels": [_level(1, 400.0), _level(64, 2000.0)],
+            "burst": {"requests": 64, "ttft_ms": {"p50": 100.0, "p90": 150.0, "p99": 200.0}},
+        },
+        "burst": {
+            "requests": 64,
+            "ttft_ms": {"p50": 150.0, "p90": 250.0, "p99": 300.0},
+            "prefill_efficiency": 0.95,
+            "prefill_launches_per_request": 0.5,
+            "prefill_bound_ideal_ms": 250.0,
+            "ttft_p99_over_ideal": 1.2,
+        },
     }
     report["ratios"] = bench.ratios(report)
     assert report["ratios"] == {
         "pool_over_ceiling": 0.6,
+        "pool_over_workload_ceiling": 0.72,
+        "burst_ttft_p99_over_ideal": 1.2,
+        "burst_ttft_p99_over_vllm_http": 1.5,
         "pool_over_vllm_offline": 0.5,
         "ceiling_over_vllm_offline_decode": 0.5,
         "pool_over_vllm_http": 0.75,
@@ -159,3 +175,5 @@ def test_report_compares_the_pool_at_64_with_vllm_offline_and_its_server_at_64(
     assert "6000 tokens/s decode alone" in out
     assert "vllm http   64:     2000 tokens/s" in out
     assert "pool_over_vllm_http: 0.75x" in out
+    assert "vllm http burst of 64: TTFT p50 100 / p90 150 / p99 200 ms" in out
+    assert "burst_ttft_p99_over_vllm_http: 1.50x" in out
