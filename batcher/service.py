@@ -24,6 +24,7 @@ import redis
 from tokenizers import Tokenizer
 
 from batcher.book import RequestBook
+from batcher.channel import StepChannel
 from batcher.chat import ChatTemplate
 from batcher.dispatch import rank_plans
 from batcher.durability import (
@@ -50,9 +51,9 @@ from batcher.scheduler import (
     plan_step,
 )
 from schemas.config import Settings, add_settings_flags, settings_from_args
-from schemas.connection import connect, last_entry_id
+from schemas.connection import connect
 from schemas.control import PREEMPTED, RankStepPlan, SlotStop, StepResult
-from schemas.keys import FIELD, PLAN_STREAM_MAXLEN, Keys
+from schemas.keys import Keys
 from schemas.messages import FinishReason
 from schemas.metrics import serve_metrics
 
@@ -93,7 +94,6 @@ class Batcher:
             "rank_idle_us": 0,
         }
         self.queue_depth = 0
-        self.dispatched_at: dict[int, float] = {}
         self.metrics: BatcherMetrics | None = None
         self._reset()
         if settings.metrics_port:
@@ -131,7 +131,9 @@ class Batcher:
         self.registry = RankRegistry(self.redis, self.keys, self.pool, s.ranks, s.rank_timeout_s)
         self.book = RequestBook(self.redis, self.keys, s, self.state, self.stats, self.metrics)
         self.queue = QueueReader(self.redis, self.keys, self.pool, s.priority_aging_s)
-        self.inflight: dict[int, set[int]] = {}
+        self.channel = StepChannel(
+            self.redis, self.keys, self.pool, self.registry, s.max_inflight_steps
+        )
         self.epoch = 0
         self.step = 0
         self.last_housekeeping = 0.0
@@ -150,7 +152,8 @@ class Batcher:
                     self._set_state("draining")
                     log.info("draining %d running requests", len(self.state.running))
                 if drain_deadline is not None and (
-                    not (self.state.running or self.inflight) or time.monotonic() > drain_deadline
+                    not (self.state.running or self.channel.inflight)
+                    or time.monotonic() > drain_deadline
                 ):
                     break
                 try:
@@ -180,15 +183,15 @@ class Batcher:
             self.last_housekeeping = now
             self._housekeeping()
         self.book.expire_deadlines()
-        busy = bool(self.inflight or self.state.running)
+        busy = bool(self.channel.inflight or self.state.running)
         if not self.stopping:
             self._intake(block_ms=0 if busy else 100)
-        while len(self.inflight) < self.settings.max_inflight_steps:
+        while self.channel.room():
             plan = plan_step(self.state)
             if plan.is_empty and not plan.preempted and not self.book.pending_stops:
                 break
             self._dispatch(plan)
-        if self.inflight:
+        if self.channel.inflight:
             self._collect(block_ms=200)
 
     def _wait_for_redis(self) -> None:
@@ -210,8 +213,7 @@ class Batcher:
         self._publish_limits()
         pool_key = self.keys.pool(self.pool)
         self.epoch = int(self.redis.hincrby(pool_key, "epoch", 1))
-        self.results_cursor = last_entry_id(self.redis, self.keys.step_results(self.pool))
-        self.cancel_cursor = last_entry_id(self.redis, self.keys.cancel)
+        self.channel.open()
         self.redis.sadd(self.keys.pools, self.pool)
         self.redis.hset(
             pool_key,
@@ -227,7 +229,7 @@ class Batcher:
         self._set_state("starting")
         self._wait_for_ranks()
         self._dispatch(StepPlan())  # the fence: ranks drop state of earlier epochs
-        while self.inflight and not self.stopping:
+        while self.channel.inflight and not self.stopping:
             self._collect(block_ms=200)
             self._poll_ranks()
         deliveries = claim_own_pending(self.redis, self.keys, self.pool)
@@ -279,9 +281,7 @@ class Batcher:
         for rank in changes.lost:
             log.warning("rank %d lost; moving its requests", rank)
             self.book.pending_stops.pop(rank, None)
-            for waiting in self.inflight.values():
-                waiting.discard(rank)
-            self.inflight = {s: w for s, w in self.inflight.items() if w}
+            self.channel.lose_rank(rank)
             lost = lose_rank(self.state, rank)
             self.book.requeue([self.book.tracked[s.request_id] for s in lost], rank_died=True)
         for rank in changes.joined:
@@ -382,46 +382,17 @@ class Batcher:
                     rank, RankStepPlan(epoch=self.epoch, step=self.step, rank=rank)
                 )
                 rank_plan.stops = stops
-        pipe = self.redis.pipeline(transaction=False)
-        for rank, rank_plan in sorted(by_rank.items()):
-            rank_plan.incarnation = self.registry.incarnation(rank)
-            pipe.xadd(
-                self.keys.plan(self.pool, rank),
-                {FIELD: rank_plan.encode()},
-                maxlen=PLAN_STREAM_MAXLEN,
-                approximate=True,
-            )
-        pipe.execute()
-        if by_rank:
-            self.inflight[self.step] = set(by_rank)
-            self.dispatched_at[self.step] = time.monotonic()
+        self.channel.send(self.step, by_rank)
         self.stats["steps"] += 1
 
     def _collect(self, block_ms: int) -> None:
         """Wait for step results and cancels; apply them."""
-        streams: dict[Any, Any] = {
-            self.keys.step_results(self.pool): self.results_cursor,
-            self.keys.cancel: self.cancel_cursor,
-        }
-        reply = self.redis.xread(streams, count=256, block=block_ms)
+        results, cancelled = self.channel.receive(block_ms, self.epoch)
+        for request_id in cancelled:
+            self.book.stop(request_id, FinishReason.CANCELLED)
         pipe = self.redis.pipeline(transaction=False)
-        for key, entries in cast(list, reply or []):
-            is_cancel = key.decode() == self.keys.cancel
-            for entry_id, fields in entries:
-                if is_cancel:
-                    self.cancel_cursor = entry_id
-                    self.book.stop(fields.get(b"id", b"").decode(), FinishReason.CANCELLED)
-                    continue
-                self.results_cursor = entry_id
-                try:
-                    result = StepResult.decode(fields[FIELD.encode()])
-                except (ValueError, KeyError) as exc:
-                    log.error("unreadable step result %s: %s", entry_id, exc)
-                    continue
-                if result.epoch == self.epoch and (
-                    result.incarnation == self.registry.incarnation(result.rank)
-                ):
-                    self._apply(result, pipe)
+        for result in results:
+            self._apply(result, pipe)
         pipe.execute()
 
     def _apply(self, result: StepResult, pipe: redis.client.Pipeline) -> None:
@@ -435,14 +406,9 @@ class Batcher:
         self.stats["rank_exec_us"] += int(result.exec_ms * 1000)
         self.stats["rank_launch_us"] += int(result.launch_ms * 1000)
         self.stats["rank_idle_us"] += int(result.idle_ms * 1000)
-        waiting = self.inflight.get(result.step)
-        if waiting is not None:
-            waiting.discard(result.rank)
-            if not waiting:
-                del self.inflight[result.step]
-                started = self.dispatched_at.pop(result.step, None)
-                if started is not None and self.metrics is not None:
-                    self.metrics.step_seconds.observe(time.monotonic() - started)
+        seconds = self.channel.answered(result)
+        if seconds is not None and self.metrics is not None:
+            self.metrics.step_seconds.observe(seconds)
 
 
 def build_parser() -> argparse.ArgumentParser:

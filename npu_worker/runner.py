@@ -101,6 +101,7 @@ class LaunchRunner:
         self.span_step = prefill_chunk if not self.backend.reads_in_place else EAGER_SPAN_STEP
         zeros = torch.zeros(num_slots, dtype=torch.long, device=self.device)
         self.tail = TailPool(zeros.clone(), zeros.clone(), zeros.clone())
+        self.decode_logit_index = torch.zeros(decode_batch, 1, dtype=torch.long, device=self.device)
         self.num_launches = {"prefill": 0, "decode": 0}
         self.launches: list[str] = []  # program and shape of each launch, cleared per step
         self.launch_seconds: list[tuple[str, float]] = []  # (shape, time in it), per step
@@ -255,16 +256,16 @@ class LaunchRunner:
         launch_positions = [self.cache.scratch_position] * batch
         for row, token, position in zip(layout.rows, token_ids, positions):
             ids[row], launch_positions[row] = token, position
+        inputs = self._tensor([ids, launch_positions, layout.slot_ids])  # one host copy
         launch = LaunchInputs(
-            input_ids=self._tensor(ids).view(batch, 1),
-            positions=self._tensor(launch_positions).view(batch, 1),
-            slot_ids=self._tensor(layout.slot_ids),
-            logit_index=torch.zeros(batch, 1, dtype=torch.long, device=self.device),
+            input_ids=inputs[0].view(batch, 1),
+            positions=inputs[1].view(batch, 1),
+            slot_ids=inputs[2],
+            logit_index=self.decode_logit_index,
             span=self.span_for(max(positions) + 1 if positions else 1),
             window_start=layout.window_start,
         )
-        logits = self._run("decode", launch).logits[:, 0]
-        return logits[self._tensor(layout.rows)] if slots else logits[:0]
+        return self._rows(self._run("decode", launch).logits[:, 0], layout.rows)
 
     def verify(self, slots: list[int], max_position: int) -> Verify:
         """One B`decode_batch`S2 launch: each row feeds [last committed token, draft]."""
@@ -375,6 +376,13 @@ class LaunchRunner:
             span=span,
             window_start=None,
         )
+
+    def _rows(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """`logits` of `rows`, in order: a view when they are consecutive (the usual case)."""
+        first = rows[0] if rows else 0
+        if rows == list(range(first, first + len(rows))):
+            return logits[first : first + len(rows)]
+        return logits[self._tensor(rows)]
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -66,7 +66,9 @@ class Settings(BaseSettings):
     )
     mtp: bool = Field(default=False, description="decode with MTP drafts (K=1)")
     lockstep: bool = Field(default=False, description="every rank runs the same launches")
-    max_inflight_steps: int = Field(default=2, ge=1, le=8, description="steps dispatched ahead")
+    max_inflight_steps: int = Field(
+        default=4, ge=1, le=8, description="most steps dispatched ahead (two always)"
+    )
     max_queue: int = Field(
         default=10000, ge=1, description="outstanding requests accepted in the namespace"
     )
