@@ -1,5 +1,5 @@
 """The batcher's side of the step streams: plans out to each rank, step results and cancels
-in, and the steps in flight between the two (docs/architecture.md §4).
+in, and the steps in flight between the two (docs/architecture.md §3).
 
 How far ahead the batcher plans is a trade. A rank with no plan queued idles for a whole
 Redis round trip; a rank with many queued makes every newly admitted request wait behind

@@ -32,11 +32,18 @@ from producer.bench_http import (
     run_http_workload,
     start_gateway,
 )
-from producer.bench_vllm import burst_workload, plot_vllm, print_vllm, vllm_peer, vllm_ratios
+from producer.bench_vllm import (
+    burst_warm_up,
+    burst_workload,
+    plot_vllm,
+    print_vllm,
+    vllm_peer,
+    vllm_ratios,
+)
 from producer.client import Client
 from producer.embedded import EmbeddedRedis
 from producer.launcher import PoolProcesses
-from producer.loadgen import Workload, run_workload, summarise
+from producer.loadgen import Trace, Workload, drive, redis_requests, run_workload, summarise
 from producer.status import PoolFailed, pool_status
 from producer.status_view import wait_ready_live
 from producer.vllm_env import VllmPeer, VllmUnavailable, check_vllm_peer
@@ -246,8 +253,15 @@ def _burst(
 ) -> dict:
     """`--burst N` requests arriving at once: their TTFT percentiles and prefill efficiency
     (through the Redis client), and their TTFT percentiles through the gateway if it runs."""
-    before = pool_status(client.redis, client.keys, settings.pool, 0)
-    traces, wall = asyncio.run(run_workload(url, settings.namespace, burst_workload(args)))
+
+    async def warm_then_burst() -> tuple[list[Trace], float, dict[str, Any]]:
+        async with redis_requests(url, settings.namespace) as one:
+            await drive(burst_warm_up(args), one)
+            await asyncio.sleep(settings.heartbeat_s * 1.5)  # the warm-up's counters flushed
+            before = pool_status(client.redis, client.keys, settings.pool, 0)
+            return (*await drive(burst_workload(args), one), before)
+
+    traces, wall, before = asyncio.run(warm_then_burst())
     summary = summarise(traces, wall, args.slo_ttft_ms, args.slo_tpot_ms)
     counters = _pool_counters(client, settings, before)
     print(f"  burst of {args.burst}: TTFT p99 {summary['ttft_ms']['p99']:.0f} ms", file=sys.stderr)
@@ -265,7 +279,11 @@ def _gateway_burst(
 ) -> dict[str, Any]:
     if gateway is None:
         return {}
-    traces, wall = asyncio.run(run_http_workload(gateway.base_url, model, burst_workload(args)))
+    traces, wall = asyncio.run(
+        run_http_workload(
+            gateway.base_url, model, burst_workload(args), warm_up=burst_warm_up(args)
+        )
+    )
     summary = summarise(traces, wall, args.slo_ttft_ms, args.slo_tpot_ms)
     return {"gateway_ttft_ms": summary["ttft_ms"]}
 

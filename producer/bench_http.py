@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import socket
 import subprocess
@@ -20,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from producer.loadgen import Trace, Workload, drive, summarise
+from producer.loadgen import OneRequest, Trace, Workload, drive, summarise
 
 HEALTH_TIMEOUT_S = 60.0
 
@@ -62,15 +63,23 @@ async def _one_http(
 
 
 async def run_http_workload(
-    base_url: str, model: str, workload: Workload, api_key: str | None = None
+    base_url: str,
+    model: str,
+    workload: Workload,
+    api_key: str | None = None,
+    warm_up: Workload | None = None,
 ) -> tuple[list[Trace], float]:
-    """Send the workload to `base_url` (ending in /v1); every trace and the wall time."""
+    """Send the workload to `base_url` (ending in /v1); every trace and the wall time.
+    `warm_up` runs first, untimed, so the client's connections are open when it starts."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(
         base_url=base_url.rstrip("/"), headers=headers, limits=limits, timeout=600
     ) as http:
-        return await drive(workload, lambda prompt, n: _one_http(http, model, prompt, n))
+        one: OneRequest = functools.partial(_one_http, http, model)
+        if warm_up is not None:
+            await drive(warm_up, one)
+        return await drive(workload, one)
 
 
 @dataclass

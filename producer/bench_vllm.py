@@ -60,6 +60,12 @@ def burst_workload(args: argparse.Namespace) -> Workload:
     return Workload(args.burst, *lengths, concurrency=args.burst, seed=4242)
 
 
+def burst_warm_up(args: argparse.Namespace) -> Workload:
+    """Run untimed before a burst, by the same client: N one-token requests at once, so the
+    burst meets open connections (as a service's burst does) and times the server alone."""
+    return Workload(args.burst, tuple(args.prompt_len), (1, 1), concurrency=args.burst, seed=4243)
+
+
 def vllm_peer(
     peer: VllmPeer,
     settings: Settings,
@@ -98,7 +104,9 @@ def vllm_peer(
             entry["levels"].append(summarise(traces, wall, *slos) | {"concurrency": level})
         if args.burst:
             traces, wall = asyncio.run(
-                run_http_workload(server.base_url, SERVED_NAME, burst_workload(args))
+                run_http_workload(
+                    server.base_url, SERVED_NAME, burst_workload(args), warm_up=burst_warm_up(args)
+                )
             )
             entry["burst"] = {"requests": args.burst} | summarise(traces, wall, *slos)
     except (RuntimeError, httpx.HTTPError) as exc:

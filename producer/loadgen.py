@@ -4,10 +4,12 @@ prompt and output lengths, per-request TTFT / TPOT / ITL / end-to-end latency.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import random
 import statistics
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,13 +95,20 @@ async def drive(workload: Workload, one: OneRequest) -> tuple[list[Trace], float
     return traces, time.monotonic() - started
 
 
-async def run_workload(url: str, namespace: str, workload: Workload) -> tuple[list[Trace], float]:
-    """Send the workload with the Redis client; returns every request's trace and the wall time."""
+@contextlib.asynccontextmanager
+async def redis_requests(url: str, namespace: str) -> AsyncIterator[OneRequest]:
+    """`one(prompt, max_tokens)` through one Redis client, closed on exit."""
     client = AsyncClient(url, namespace, max_queue=10**9)
     try:
-        return await drive(workload, lambda prompt, max_tokens: _one(client, prompt, max_tokens))
+        yield functools.partial(_one, client)
     finally:
         await client.close()
+
+
+async def run_workload(url: str, namespace: str, workload: Workload) -> tuple[list[Trace], float]:
+    """Send the workload with the Redis client; returns every request's trace and the wall time."""
+    async with redis_requests(url, namespace) as one:
+        return await drive(workload, one)
 
 
 def percentiles(values: list[float]) -> dict[str, float]:

@@ -20,6 +20,7 @@ from tests.helpers import (
 from tests.reference import first_divergence
 
 KEYS = Keys()
+LOW_TOKENS = 160
 
 
 def final_entry_id(redis_client, request_id: str) -> tuple[int, int]:
@@ -37,17 +38,21 @@ def test_a_priority_9_request_behind_100_queued_ones_finishes_before_most_of_the
     rng = random.Random(9)
     vocab = loaded.config.vocab_size
     low = {f"low-{i}": random_prompt(rng, 20, vocab) for i in range(100)}
-    for request_id, prompt in low.items():
-        client.submit(prompt_token_ids=prompt, max_tokens=24, request_id=request_id)
+    for request_id, prompt in low.items():  # each long enough that a slot never frees in time
+        client.submit(prompt_token_ids=prompt, max_tokens=LOW_TOKENS, request_id=request_id)
     wait_until(lambda: redis_client.xlen(KEYS.result("low-0")) > 0, what="the pool to be busy")
     urgent = random_prompt(rng, 20, vocab)
     client.submit(prompt_token_ids=urgent, max_tokens=24, request_id="urgent", priority=9)
 
+    streams = {r: check_stream(list(client.stream(r, timeout_s=180))) for r in [*low, "urgent"]}
     runner = reference_runner(loaded, settings)
-    for request_id, prompt in [*low.items(), ("urgent", urgent)]:
-        tokens = check_stream(list(client.stream(request_id, timeout_s=180)))
-        want = reference(loaded, runner, settings, prompt, 24)
-        problem = first_divergence(tokens, want, TIE_TOLERANCE)
+    # the urgent one, the one it preempted (low-0, running when it came) and a few others
+    checked = [("urgent", urgent, 24)] + [
+        (r, low[r], LOW_TOKENS) for r in ("low-0", "low-1", "low-50", "low-99")
+    ]
+    for request_id, prompt, max_tokens in checked:
+        want = reference(loaded, runner, settings, prompt, max_tokens)
+        problem = first_divergence(streams[request_id], want, TIE_TOLERANCE)
         assert problem is None, (request_id, problem)
     done_at = final_entry_id(redis_client, "urgent")
     ahead = [r for r in low if final_entry_id(redis_client, r) < done_at]
