@@ -271,12 +271,13 @@ class RankEngine:
         try:
             if any(s.next_index < s.min_tokens for s in states):
                 logits = self._ban_early_stops(states, logits[:, None])[:, 0]
-            rows = self.table.rows(
-                [s.slot for s in states],
-                [s.next_index for s in states],
-                all(s.greedy for s in states),
-            )
-            tokens = sample(logits, rows)
+            if all(s.greedy for s in states):  # the common case needs no sampling tensors
+                tokens = logits.argmax(dim=-1)
+            else:
+                rows = self.table.rows(
+                    [s.slot for s in states], [s.next_index for s in states], all_greedy=False
+                )
+                tokens = sample(logits, rows)
             if any(s.logprobs is not None for s in states):  # rare: computed right away
                 chosen = tokens.tolist()
                 for state, entry in zip(states, self._logprobs(states, logits, chosen)):
