@@ -32,14 +32,9 @@ from producer.bench_http import (
     run_http_workload,
     start_gateway,
 )
-from producer.bench_vllm import (
-    burst_warm_up,
-    burst_workload,
-    plot_vllm,
-    print_vllm,
-    vllm_peer,
-    vllm_ratios,
-)
+from producer.bench_peers import kernel_ceiling, offline_peer, rq_peer, worker_threads
+from producer.bench_report import plot, print_report, ratios
+from producer.bench_vllm import burst_warm_up, burst_workload, vllm_peer
 from producer.client import Client
 from producer.embedded import EmbeddedRedis
 from producer.launcher import PoolProcesses
@@ -143,7 +138,7 @@ def main(argv: list[str]) -> int:
     per_level = args.requests or (64 if args.quick else 160)
     try:
         vllm = (
-            check_vllm_peer(args.vllm_python, settings, _worker_threads(settings) * settings.ranks)
+            check_vllm_peer(args.vllm_python, settings, worker_threads(settings) * settings.ranks)
             if args.vllm_python
             else None
         )
@@ -218,7 +213,7 @@ def run(
             if args.burst:
                 report["burst"] = _burst(client, url, settings, args, gateway)
         processes.stop(timeout_s=30)
-        report["ceiling"] = _kernel_ceiling(settings)
+        report["ceiling"] = kernel_ceiling(settings)
         for level in report["levels"]:
             workload = Workload(
                 per_level, tuple(args.prompt_len), tuple(args.output_len), seed=level["concurrency"]
@@ -230,8 +225,8 @@ def run(
             report["burst"]["ttft_p99_over_ideal"] = report["burst"]["ttft_ms"]["p99"] / ideal
         if not args.no_peers:
             peer_requests = args.peer_requests or (16 if args.quick else 64)
-            report["rq_peer"] = _rq_peer(url, settings, args, peer_requests)
-            report["offline_peer"] = _offline_peer(settings, args)
+            report["rq_peer"] = rq_peer(url, settings, args, peer_requests)
+            report["offline_peer"] = offline_peer(settings, args)
     finally:
         if gateway is not None:
             gateway.stop()
@@ -332,245 +327,3 @@ def _pool_counters(client: Client, settings: Settings, before: dict[str, Any]) -
         if proposed and launches
         else None,
     }
-
-
-def _worker_threads(settings: Settings) -> int:
-    cores = len(__import__("os").sched_getaffinity(0))
-    return settings.threads_per_rank or max(1, (cores - 1) // settings.ranks)
-
-
-def _kernel_ceiling(settings: Settings) -> dict[str, Any]:
-    out = Path(tempfile.mkdtemp()) / "kernels.json"
-    flags = [a for a in settings.service_args() if a != "--mtp"] + ["--no-mtp"]
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "npu_worker.kernel_bench",
-            "--json",
-            str(out),
-            "--iters",
-            "100",
-            *flags,
-            "--threads-per-rank",
-            str(_worker_threads(settings)),
-        ],
-        check=True,
-        capture_output=True,
-    )
-    result = json.loads(out.read_text())
-    ceiling = result["ceiling"]
-    return {
-        "output_tokens_per_s_per_rank": ceiling["tokens_per_s"],
-        "output_tokens_per_s": ceiling["tokens_per_s"] * settings.ranks,
-        "ms_per_launch": ceiling["ms_per_launch"],
-        "launches": result["launches"],
-    }
-
-
-def _rq_peer(
-    url: str, settings: Settings, args: argparse.Namespace, num_requests: int
-) -> dict[str, Any]:
-    """One RQ job per request, one RQ worker per rank, the same greedy generation."""
-    import redis
-    from rq import Queue
-    from rq.serializers import JSONSerializer
-
-    model_dir = settings.model
-    server_client = redis.Redis.from_url(url)
-    queue = Queue("npupool-peer", connection=server_client, serializer=JSONSerializer)
-    workers = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "npu_worker.peers",
-                "rq-worker",
-                "--redis-url",
-                url,
-                "--model",
-                model_dir,
-                "--threads",
-                str(_worker_threads(settings)),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        for _ in range(settings.ranks)
-    ]
-    try:
-        warm = queue.enqueue("npu_worker.peers.rq_generate", model_dir, [5, 6], 2)
-        _wait_jobs([warm], timeout_s=600)
-        workload = Workload(num_requests, tuple(args.prompt_len), tuple(args.output_len), seed=0)
-        started = time.monotonic()
-        jobs = [
-            queue.enqueue(
-                "npu_worker.peers.rq_generate", model_dir, prompt, max_tokens, job_timeout=3600
-            )
-            for prompt, max_tokens in workload.requests()
-        ]
-        _wait_jobs(jobs, timeout_s=3600)
-        wall = time.monotonic() - started
-        tokens = sum(len(job.return_value() or []) for job in jobs)
-    finally:
-        for worker in workers:
-            worker.terminate()
-            worker.wait()
-        server_client.close()
-    return {
-        "requests": num_requests,
-        "workers": settings.ranks,
-        "wall_s": wall,
-        "output_tokens_per_s": tokens / wall,
-    }
-
-
-def _wait_jobs(jobs: list[Any], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not all(job.is_finished or job.is_failed for job in jobs):
-        if time.monotonic() > deadline:
-            raise TimeoutError("RQ peer jobs did not finish")
-        time.sleep(0.05)
-        for job in jobs:
-            job.refresh()
-
-
-def _offline_peer(settings: Settings, args: argparse.Namespace) -> dict[str, Any]:
-    prompt_len = sum(args.prompt_len) // 2
-    max_tokens = sum(args.output_len) // 2
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "npu_worker.peers",
-            "offline",
-            "--model",
-            settings.model,
-            "--batch",
-            str(settings.decode_batch),
-            "--prompt-len",
-            str(prompt_len),
-            "--max-tokens",
-            str(max_tokens),
-            "--threads",
-            str(_worker_threads(settings) * settings.ranks),
-        ],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def ratios(report: dict[str, Any]) -> dict[str, float | None]:
-    """The pool against the ceiling (at saturation) and the peers."""
-    levels = report["levels"]
-    best = max(level["output_tokens_per_s"] for level in levels)
-    at_64 = next((lv["output_tokens_per_s"] for lv in levels if lv["concurrency"] == 64), best)
-    out: dict[str, float | None] = {
-        "pool_over_ceiling": best / report["ceiling"]["output_tokens_per_s"],
-        "pool_over_workload_ceiling": max(
-            lv["output_tokens_per_s"] / lv["workload_ceiling"]["output_tokens_per_s"]
-            for lv in levels
-        ),
-    }
-    if "burst" in report:
-        out["burst_ttft_p99_over_ideal"] = report["burst"]["ttft_p99_over_ideal"]
-    if "rq_peer" in report:
-        out["pool_over_rq_peer_at_64"] = at_64 / report["rq_peer"]["output_tokens_per_s"]
-    if "offline_peer" in report:
-        out["pool_over_offline_peer"] = best / report["offline_peer"]["output_tokens_per_s"]
-    return out | vllm_ratios(report)
-
-
-def print_report(report: dict[str, Any]) -> None:
-    """The levels table, the comparison and the ratios."""
-    print(
-        f"{'conc':>5}{'tok/s':>9}{'req/s':>8}{'TTFT p50':>10}{'p99':>8}{'TPOT p50':>10}"
-        f"{'ITL p99':>9}{'e2e p50':>9}{'goodput':>9}{'pad':>6}{'ceil':>8}{'idle':>6}{'host':>6}"
-    )
-    for lv in report["levels"]:
-        ceiling = lv.get("workload_ceiling", {}).get("output_tokens_per_s")
-        print(
-            f"{lv['concurrency']:>5}{lv['output_tokens_per_s']:>9.0f}"
-            f"{lv['requests_per_s']:>8.1f}{lv['ttft_ms']['p50']:>10.0f}{lv['ttft_ms']['p99']:>8.0f}"
-            f"{lv['tpot_ms']['p50']:>10.1f}{lv['itl_ms']['p99']:>9.1f}{lv['e2e_ms']['p50']:>9.0f}"
-            f"{lv['goodput_requests_per_s']:>9.1f}{lv['padding_waste']:>6.0%}"
-            f"{_share(lv['output_tokens_per_s'] / ceiling if ceiling else None):>8}"
-            f"{_share(lv.get('rank_idle_share')):>6}{_share(lv.get('rank_host_share')):>6}"
-        )
-    print(
-        "ceil: share of the workload ceiling (its launches back to back); idle: ranks waiting "
-        "for a plan; host: share of steps outside launches"
-    )
-    print(f"kernel ceiling: {report['ceiling']['output_tokens_per_s']:.0f} tokens/s")
-    burst = report.get("burst")
-    if burst:
-        ttft = burst["ttft_ms"]
-        print(
-            f"burst of {burst['requests']}: TTFT p50 {ttft['p50']:.0f} / p90 {ttft['p90']:.0f} / "
-            f"p99 {ttft['p99']:.0f} ms, prefill-bound ideal "
-            f"{burst.get('prefill_bound_ideal_ms', 0):.0f} ms; prefill efficiency "
-            f"{_share(burst['prefill_efficiency'])}, "
-            f"{burst['prefill_launches_per_request']:.2f} prefill launches per request"
-        )
-        if "gateway_ttft_ms" in burst:
-            ttft = burst["gateway_ttft_ms"]
-            print(
-                f"burst of {burst['requests']} through the gateway: TTFT p50 {ttft['p50']:.0f} / "
-                f"p90 {ttft['p90']:.0f} / p99 {ttft['p99']:.0f} ms"
-            )
-    print(
-        f"planner: {report['planner_us_per_step']:.0f} us per step "
-        "(64 running + 64 waiting, 8 ranks)"
-    )
-    for peer in ("rq_peer", "offline_peer"):
-        if peer in report:
-            print(f"{peer.replace('_', ' ')}: {report[peer]['output_tokens_per_s']:.0f} tokens/s")
-    if "vllm_offline" in report:
-        print_vllm(report)
-    for name, value in report["ratios"].items():
-        print(f"{name}: {value:.2f}x" if value is not None else f"{name}: n/a")
-
-
-def _share(value: float | None) -> str:
-    return "" if value is None else f"{value:.0%}"
-
-
-def plot(report: dict[str, Any], path: Path) -> None:
-    """Throughput and latency against load, with the ceiling and peers as lines."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(
-            "npu-pool bench: matplotlib is not installed; no plot (pip install 'npu-pool[bench]')",
-            file=sys.stderr,
-        )
-        return
-    levels = report["levels"]
-    x = [lv["concurrency"] for lv in levels]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    left.plot(x, [lv["output_tokens_per_s"] for lv in levels], "o-", label="npu-pool")
-    left.axhline(report["ceiling"]["output_tokens_per_s"], ls="--", c="k", label="kernel ceiling")
-    for peer, style in (("rq_peer", ":"), ("offline_peer", "-.")):
-        if peer in report:
-            left.axhline(
-                report[peer]["output_tokens_per_s"],
-                ls=style,
-                c="gray",
-                label=peer.replace("_", " "),
-            )
-    if "vllm_offline" in report:
-        plot_vllm(left, report)
-    left.set(xscale="log", xlabel="concurrent requests", ylabel="output tokens/s")
-    left.legend()
-    for key, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("e2e_ms", "end-to-end")):
-        right.plot(x, [lv[key]["p50"] for lv in levels], "o-", label=f"{label} p50")
-    right.set(xscale="log", yscale="log", xlabel="concurrent requests", ylabel="ms")
-    right.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)

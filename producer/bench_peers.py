@@ -1,0 +1,148 @@
+"""The kernel ceiling and the transformers peers of `npu-pool bench`, each run in a process
+of its own with the threads a rank gets (this process never imports torch)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from producer.loadgen import Workload
+from schemas.config import Settings
+
+
+def worker_threads(settings: Settings) -> int:
+    """Torch threads a rank (and so each peer) gets: `(cores - 1) / ranks` unless set."""
+    cores = len(os.sched_getaffinity(0))
+    return settings.threads_per_rank or max(1, (cores - 1) // settings.ranks)
+
+
+def kernel_ceiling(settings: Settings) -> dict[str, Any]:
+    """The same launches back to back in a process of their own (`npu_worker.kernel_bench`)."""
+    out = Path(tempfile.mkdtemp()) / "kernels.json"
+    flags = [a for a in settings.service_args() if a != "--mtp"] + ["--no-mtp"]
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "npu_worker.kernel_bench",
+            "--json",
+            str(out),
+            "--iters",
+            "100",
+            *flags,
+            "--threads-per-rank",
+            str(worker_threads(settings)),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    result = json.loads(out.read_text())
+    ceiling = result["ceiling"]
+    return {
+        "output_tokens_per_s_per_rank": ceiling["tokens_per_s"],
+        "output_tokens_per_s": ceiling["tokens_per_s"] * settings.ranks,
+        "ms_per_launch": ceiling["ms_per_launch"],
+        "launches": result["launches"],
+    }
+
+
+def rq_peer(
+    url: str, settings: Settings, args: argparse.Namespace, num_requests: int
+) -> dict[str, Any]:
+    """One RQ job per request, one RQ worker per rank, the same greedy generation."""
+    import redis
+    from rq import Queue
+    from rq.serializers import JSONSerializer
+
+    model_dir = settings.model
+    server_client = redis.Redis.from_url(url)
+    queue = Queue("npupool-peer", connection=server_client, serializer=JSONSerializer)
+    workers = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "npu_worker.peers",
+                "rq-worker",
+                "--redis-url",
+                url,
+                "--model",
+                model_dir,
+                "--threads",
+                str(worker_threads(settings)),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for _ in range(settings.ranks)
+    ]
+    try:
+        warm = queue.enqueue("npu_worker.peers.rq_generate", model_dir, [5, 6], 2)
+        _wait_jobs([warm], timeout_s=600)
+        workload = Workload(num_requests, tuple(args.prompt_len), tuple(args.output_len), seed=0)
+        started = time.monotonic()
+        jobs = [
+            queue.enqueue(
+                "npu_worker.peers.rq_generate", model_dir, prompt, max_tokens, job_timeout=3600
+            )
+            for prompt, max_tokens in workload.requests()
+        ]
+        _wait_jobs(jobs, timeout_s=3600)
+        wall = time.monotonic() - started
+        tokens = sum(len(job.return_value() or []) for job in jobs)
+    finally:
+        for worker in workers:
+            worker.terminate()
+            worker.wait()
+        server_client.close()
+    return {
+        "requests": num_requests,
+        "workers": settings.ranks,
+        "wall_s": wall,
+        "output_tokens_per_s": tokens / wall,
+    }
+
+
+def _wait_jobs(jobs: list[Any], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not all(job.is_finished or job.is_failed for job in jobs):
+        if time.monotonic() > deadline:
+            raise TimeoutError("RQ peer jobs did not finish")
+        time.sleep(0.05)
+        for job in jobs:
+            job.refresh()
+
+
+def offline_peer(settings: Settings, args: argparse.Namespace) -> dict[str, Any]:
+    """`transformers` static-batch generation at the pool's decode batch, in its own process."""
+    prompt_len = sum(args.prompt_len) // 2
+    max_tokens = sum(args.output_len) // 2
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "npu_worker.peers",
+            "offline",
+            "--model",
+            settings.model,
+            "--batch",
+            str(settings.decode_batch),
+            "--prompt-len",
+            str(prompt_len),
+            "--max-tokens",
+            str(max_tokens),
+            "--threads",
+            str(worker_threads(settings) * settings.ranks),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1])
