@@ -4,8 +4,10 @@ in, and the steps in flight between the two (docs/architecture.md §3).
 How far ahead the batcher plans is a trade. A rank with no plan queued idles for a whole
 Redis round trip; a rank with many queued makes every newly admitted request wait behind
 them. So two steps are always kept in flight (one running, one waiting on the rank), and
-more, up to `max_inflight_steps`, only while the steps in flight hold few launches: short
-steps (one B64S1 decode) are planned further ahead than long ones (eight B8S1 decodes).
+more, up to `max_inflight_steps`, only while the launches in flight would take less than
+`PLAN_AHEAD_MS` at the ranks' recent speed: a rank whose launches take a millisecond or
+two gets steps planned further ahead, one whose launches take ten gets two, so a burst
+that arrives just after a step went out waits behind one step, not four.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from schemas.keys import FIELD, PLAN_STREAM_MAXLEN, Keys
 log = logging.getLogger("npu_pool.batcher")
 
 MIN_STEPS_AHEAD = 2
-PLAN_AHEAD_LAUNCHES = 8  # beyond two steps, plan further only while fewer launches are queued
+PLAN_AHEAD_MS = 8.0  # beyond two steps, plan further only while less work than this is queued
+LAUNCH_MS_WEIGHT = 0.2  # weight of the latest step in the running milliseconds per launch
 
 
 @dataclass(slots=True)
@@ -50,6 +53,7 @@ class StepChannel:
         self.registry = registry
         self.max_steps = max_steps
         self.inflight: dict[int, InFlight] = {}
+        self.ms_per_launch: float | None = None  # running average over the ranks' steps
         self.results_cursor: Any = "0-0"
         self.cancel_cursor: Any = "0-0"
 
@@ -64,7 +68,10 @@ class StepChannel:
             return False
         if len(self.inflight) < MIN_STEPS_AHEAD:
             return True
-        return sum(s.num_launches for s in self.inflight.values()) < PLAN_AHEAD_LAUNCHES
+        if self.ms_per_launch is None:
+            return False
+        queued = sum(s.num_launches for s in self.inflight.values())
+        return queued * self.ms_per_launch < PLAN_AHEAD_MS
 
     def send(self, step: int, plans: dict[int, RankStepPlan]) -> None:
         """Each rank's plan, addressed to its incarnation, in one pipelined round trip."""
@@ -114,6 +121,11 @@ class StepChannel:
     def answered(self, result: StepResult) -> float | None:
         """Mark `result`'s rank done with its step; the step's seconds in flight once every
         rank it went to has answered."""
+        launches = result.num_decode_launches + result.num_prefill_launches
+        if launches:
+            ms = result.exec_ms / launches
+            last = self.ms_per_launch
+            self.ms_per_launch = ms if last is None else last + LAUNCH_MS_WEIGHT * (ms - last)
         step = self.inflight.get(result.step)
         if step is None:
             return None

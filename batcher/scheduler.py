@@ -24,6 +24,8 @@ class PlannerConfig:
     preempt_margin: float | None = None  # None: never preempt
     pack_prefill: bool = False  # several requests' chunks share a prefill launch
     prefill_segments: int = 8  # requests in one packed prefill launch, at most
+    # steps a rank's decode rows may wait while its prefill backlog drains (0: every step)
+    decode_stall_steps: int = 0
 
     def __post_init__(self) -> None:
         for name in (
@@ -37,6 +39,8 @@ class PlannerConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.decode_stall_steps < 0:
+            raise ValueError(f"decode_stall_steps must be >= 0, got {self.decode_stall_steps}")
         if self.preempt_margin is not None and not self.preempt_margin >= 0:
             raise ValueError(f"preempt_margin must be >= 0 or None, got {self.preempt_margin}")
 
@@ -118,6 +122,7 @@ class PoolState:
     free_slots: list[list[int]] = field(default_factory=list)
     live_ranks: set[int] | None = None  # None: every rank
     next_rank: int = 0
+    decode_stalls: dict[int, int] = field(default_factory=dict)  # rank -> steps its decode waited
 
     def __post_init__(self) -> None:
         if not self.free_slots:
@@ -144,13 +149,15 @@ class PoolState:
 
 def plan_step(state: PoolState) -> StepPlan:
     """Admit what fits (preempting for much more urgent requests), then plan decode for every
-    prefilled request, then prefill chunks."""
+    prefilled request (but on a rank whose prefill backlog exceeds one step, for at most
+    `decode_stall_steps` steps in a row), then prefill chunks."""
     plan = StepPlan(admitted=_admit(state), preempted=_preempt(state))
     by_rank: dict[int, list[Sequence]] = {r: [] for r in sorted(state.ranks)}
     for seq in state.running.values():
         if seq.rank in by_rank:
             by_rank[seq.rank].append(seq)
-    plan.decode_launches = _plan_decode(by_rank, state.config)
+    decoding = {r: seqs for r, seqs in by_rank.items() if not _decode_waits(state, r, seqs)}
+    plan.decode_launches = _plan_decode(decoding, state.config, lockstep_ranks=by_rank)
     plan.prefill = _plan_prefill(by_rank, state.config)
     return plan
 
@@ -181,6 +188,7 @@ def stop(state: PoolState, request_id: str) -> Sequence | None:
 def lose_rank(state: PoolState, rank: int) -> list[Sequence]:
     """Take a rank out of planning; returns the requests it held, now out of the pool."""
     state.ranks.discard(rank)
+    state.decode_stalls.pop(rank, None)
     lost = [s for s in state.running.values() if s.rank == rank]
     for seq in lost:
         del state.running[seq.request_id]
@@ -251,8 +259,36 @@ def _pick_rank(state: PoolState, isolated: bool) -> int | None:
     return chosen
 
 
+def _decode_waits(state: PoolState, rank: int, seqs: list[Sequence]) -> bool:
+    """True when the rank's decode rows sit this step out so its prefill launches serve a
+    backlog sooner: more prefill waits than the step's launches carry, and the rows have
+    waited fewer than `decode_stall_steps` steps in a row. Counts the wait."""
+    config = state.config
+    stalled = state.decode_stalls.get(rank, 0)
+    waits = (
+        stalled < config.decode_stall_steps
+        and any(s.wants_decode for s in seqs)
+        and _prefill_launches_wanted(seqs, config) > config.prefill_slots
+    )
+    state.decode_stalls[rank] = stalled + 1 if waits else 0
+    return waits
+
+
+def _prefill_launches_wanted(seqs: list[Sequence], config: PlannerConfig) -> int:
+    """Prefill launches the rank's waiting prompts could fill in one step: packed, their
+    tokens by the chunk (and requests by the segments a launch holds); unpacked, one per
+    request."""
+    left = [s.num_prompt_tokens - s.num_prefilled for s in seqs if s.wants_prefill]
+    if not config.pack_prefill:
+        return len(left)
+    by_tokens = -(-sum(left) // config.prefill_chunk)
+    return max(by_tokens, -(-len(left) // config.prefill_segments))
+
+
 def _plan_decode(
-    by_rank: dict[int, list[Sequence]], config: PlannerConfig
+    by_rank: dict[int, list[Sequence]],
+    config: PlannerConfig,
+    lockstep_ranks: dict[int, list[Sequence]],
 ) -> list[dict[int, list[Sequence]]]:
     """Launch k holds the k-th micro-batch of every rank: no rank over `decode_batch` rows."""
     launches: list[dict[int, list[Sequence]]] = []
@@ -268,7 +304,7 @@ def _plan_decode(
             for seq in rows:
                 seq.num_planned_tokens += 1
         if config.lockstep:
-            for rank in by_rank:
+            for rank in lockstep_ranks:
                 launch.setdefault(rank, [])
     return launches
 

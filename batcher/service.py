@@ -125,6 +125,7 @@ class Batcher:
                 lockstep=s.lockstep,
                 preempt_margin=s.preempt_margin if s.preemption else None,
                 prefill_segments=s.prefill_segments,
+                decode_stall_steps=s.decode_stall_steps,
             ),
             live_ranks=set(),
         )

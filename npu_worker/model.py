@@ -26,6 +26,9 @@ class LaunchInputs:
     A *packed* launch (B = 1) carries several requests' segments back to back: token i
     belongs to segment `token_segments[i]`, whose request holds slot `segment_slots[j]`, and
     sees only that slot's keys up to its own position (causal within its own request).
+    Eager backends also pass `packed_keys`: the slot, position and segment of exactly the
+    keys the segments see, so attention spans their own tokens rather than every segment's
+    whole `span`; graph backends, which need fixed shapes, lay whole spans side by side.
     """
 
     input_ids: torch.Tensor  # [B, S]
@@ -36,6 +39,7 @@ class LaunchInputs:
     window_start: int | None
     segment_slots: torch.Tensor | None = None  # [segments], packed launches only
     token_segments: torch.Tensor | None = None  # [S], packed launches only
+    packed_keys: torch.Tensor | None = None  # [3, K]: key slots, positions, segments (eager)
 
     @property
     def packed(self) -> bool:
@@ -161,11 +165,16 @@ def _packed_keys(
     positions = launch.positions[0]
     k_cache[token_slots, :, positions] = k[0].to(k_cache.dtype)
     v_cache[token_slots, :, positions] = v[0].to(v_cache.dtype)
-    num_segments, num_kv_heads, head_dim = len(segments), k_cache.shape[1], k_cache.shape[3]
-    keys = k_cache[segments, :, :span].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)
-    values = v_cache[segments, :, :span].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)
-    key_positions = torch.arange(span, device=k.device).repeat(num_segments)
-    key_segments = torch.arange(num_segments, device=k.device).repeat_interleave(span)
+    if launch.packed_keys is not None:  # exactly the keys the segments see
+        key_slots, key_positions, key_segments = launch.packed_keys
+        keys = k_cache[key_slots, :, key_positions].transpose(0, 1)
+        values = v_cache[key_slots, :, key_positions].transpose(0, 1)
+    else:  # every segment's slot over the whole span, side by side (fixed shapes)
+        num_segments, num_kv_heads, head_dim = len(segments), k_cache.shape[1], k_cache.shape[3]
+        keys = k_cache[segments, :, :span].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)
+        values = v_cache[segments, :, :span].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)
+        key_positions = torch.arange(span, device=k.device).repeat(num_segments)
+        key_segments = torch.arange(num_segments, device=k.device).repeat_interleave(span)
     visible = (key_segments[None, :] == launch.token_segments[:, None]) & (
         key_positions[None, :] <= positions[:, None]
     )

@@ -204,7 +204,17 @@ class LaunchRunner:
             ends.append(len(ids) - 1)
         padding = size - len(ids)  # padding tokens: segment 0's slot, the scratch position
         slots = [s.slot for s in segments]
-        if not self.backend.reads_in_place:  # graph backends: a fixed number of segments
+        packed_keys = None
+        if self.backend.reads_in_place:  # eager: attend over exactly the segments' keys
+            key_slots: list[int] = []
+            key_positions: list[int] = []
+            key_segments: list[int] = []
+            for j, segment in enumerate(segments):
+                key_slots += [segment.slot] * segment.end
+                key_positions += range(segment.end)
+                key_segments += [j] * segment.end
+            packed_keys = self._tensor([key_slots, key_positions, key_segments])
+        else:  # graph backends: a fixed number of segments
             slots += [slots[0]] * (self.prefill_segments - len(slots))
             ends += [0] * (self.prefill_segments - len(ends))
         return LaunchInputs(
@@ -216,6 +226,7 @@ class LaunchRunner:
             window_start=None,
             segment_slots=self._tensor(slots),
             token_segments=self._tensor(owners + [0] * padding),
+            packed_keys=packed_keys,
         )
 
     def set_tail(self, slot: int, token: int, position: int, draft: int) -> None:

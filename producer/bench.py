@@ -263,6 +263,7 @@ def _burst(
     return {
         "requests": args.burst,
         "ttft_ms": summary["ttft_ms"],
+        "itl_ms": summary["itl_ms"],
         "output_tokens_per_s": summary["output_tokens_per_s"],
         "prefill_efficiency": counters["prefill_efficiency"],
         "prefill_launches_per_request": counters["prefill_launches"] / args.burst,

@@ -57,8 +57,8 @@ def print_report(report: dict[str, Any]) -> None:
         ttft = burst["ttft_ms"]
         print(
             f"burst of {burst['requests']}: TTFT p50 {ttft['p50']:.0f} / p90 {ttft['p90']:.0f} / "
-            f"p99 {ttft['p99']:.0f} ms, prefill-bound ideal "
-            f"{burst.get('prefill_bound_ideal_ms', 0):.0f} ms; prefill efficiency "
+            f"p99 {ttft['p99']:.0f} ms, ITL p99 {burst['itl_ms']['p99']:.0f} ms; prefill-bound "
+            f"ideal {burst.get('prefill_bound_ideal_ms', 0):.0f} ms; prefill efficiency "
             f"{_share(burst['prefill_efficiency'])}, "
             f"{burst['prefill_launches_per_request']:.2f} prefill launches per request"
         )

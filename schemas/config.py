@@ -64,6 +64,13 @@ class Settings(BaseSettings):
     prefill_segments: int = Field(
         default=8, ge=1, le=64, description="prompts in one packed prefill launch, at most"
     )
+    decode_stall_steps: int = Field(
+        default=2,
+        ge=0,
+        le=64,
+        description="steps a rank's decode may wait while more prompts wait than one step "
+        "prefills (0: decode every step)",
+    )
     mtp: bool = Field(default=False, description="decode with MTP drafts (K=1)")
     lockstep: bool = Field(default=False, description="every rank runs the same launches")
     max_inflight_steps: int = Field(

@@ -4,15 +4,18 @@ tokens are those it gets run alone, whatever shares its launch and wherever it s
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from batcher.dispatch import rank_plans
 from batcher.intake import Tracked
 from batcher.scheduler import PlannerConfig, PoolState, Sequence, finish, plan_step
+from npu_worker.runner import Segment
 from producer.client import Client
 from schemas.config import Settings
 from schemas.control import StepResult
@@ -110,6 +113,32 @@ def test_short_prompts_share_launches(model) -> None:
     prompts = [random_prompt(rng, n, loaded.config.vocab_size) for n in (20, 30, 40, 25, 10)]
     _, shared = run_packed(loaded, prompts, segments=8, prefill_slots=4)
     assert shared >= 1
+
+
+def test_exact_keys_and_whole_spans_side_by_side_give_the_same_launch(model) -> None:
+    """The eager backend attends over exactly the keys each segment sees; graph backends lay
+    every segment's whole span side by side. A launch continuing a cached prompt and
+    starting two fresh ones comes out the same either way."""
+    loaded, _ = model
+    runner = reference_runner(loaded, SETTINGS)
+    rng = random.Random(3)
+    vocab = loaded.config.vocab_size
+    cached = random_prompt(rng, 180, vocab)
+    runner.prefill(2, cached[:128], 0)
+    runner.prefill(2, cached[128:150], 128)
+    segments = [
+        Segment(2, cached[150:], 150),
+        Segment(5, random_prompt(rng, 40, vocab), 0),
+        Segment(0, random_prompt(rng, 20, vocab), 0),
+    ]
+    exact = runner._packed(segments, [s.token_ids for s in segments])
+    assert exact.packed_keys is not None and exact.packed_keys.shape[1] == 180 + 40 + 20
+    whole = dataclasses.replace(exact, packed_keys=None)
+    with torch.no_grad():
+        want = runner.backend.run(whole)
+        got = runner.backend.run(exact)
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got.hidden[0, :90], want.hidden[0, :90], rtol=1e-4, atol=1e-4)
 
 
 def test_a_burst_is_prefilled_packed_with_lone_run_tokens(

@@ -290,10 +290,48 @@ def test_lockstep_pads_every_rank_to_the_same_number_of_launches() -> None:
     [
         f.name
         for f in fields(PlannerConfig)
-        if f.name not in ("lockstep", "preempt_margin", "pack_prefill")
+        if f.name not in ("lockstep", "preempt_margin", "pack_prefill", "decode_stall_steps")
     ],
 )
 @pytest.mark.parametrize("value", [0, -1])
 def test_config_rejects_limits_below_one(name: str, value: int) -> None:
     with pytest.raises(ValueError, match=f"{name} must be >= 1, got {value}"):
         make_config(**{name: value})
+
+
+def test_config_rejects_a_negative_decode_stall() -> None:
+    with pytest.raises(ValueError, match="decode_stall_steps must be >= 0, got -1"):
+        make_config(decode_stall_steps=-1)
+
+
+def burst_pool(stall: int, prompts: int) -> tuple[PoolState, Sequence]:
+    """One decoding row, then `prompts` 100-token prompts arriving at once (packed prefill,
+    4 launches of 128 tokens a step)."""
+    state = make_state(kv_slots_per_rank=64, pack_prefill=True, decode_stall_steps=stall)
+    row = place(state, "d", rank=0, slot=63)
+    submit(state, *[100] * prompts)
+    return state, row
+
+
+def test_decode_waits_at_most_the_stall_budget_while_a_prefill_backlog_drains() -> None:
+    state, row = burst_pool(stall=2, prompts=20)  # 2000 tokens: 16 launches, four steps
+    decoded, prefill_launches = [], []
+    for _ in range(6):
+        plan = plan_step(state)
+        decoded.append(bool(plan.decode_launches))
+        assert decoded[-1] == any(
+            "d" in rows for launch in launch_ids(plan) for rows in launch.values()
+        )
+        prefill_launches.append(len(plan.prefill.get(0, [])))
+    # backlog over one step at steps 1-3: wait, wait, decode; then 16 - 12 = 4 launches left
+    assert decoded == [False, False, True, True, True, True]
+    assert prefill_launches == [4, 4, 4, 4, 0, 0]
+    assert row.num_planned_tokens == 4
+
+
+def test_decode_runs_every_step_with_no_stall_budget_or_no_backlog() -> None:
+    for stall, prompts in [(0, 20), (4, 5)]:  # 5 prompts: 500 tokens fit one step
+        state, _ = burst_pool(stall, prompts)
+        plans = [plan_step(state) for _ in range(3)]
+        for plan in plans:
+            assert any("d" in rows for launch in launch_ids(plan) for rows in launch.values())

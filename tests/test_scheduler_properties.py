@@ -55,6 +55,7 @@ configs = st.builds(
     prefill_chunk=st.integers(1, 256),
     prefill_slots=st.integers(1, 4),
     lockstep=st.booleans(),
+    decode_stall_steps=st.integers(0, 3),
 )
 arrivals = st.builds(
     Arrival,
@@ -183,20 +184,31 @@ def check_capacity_and_chunks(state: PoolState, plan: StepPlan, before: Before) 
 
 
 def check_launch_shape(state: PoolState, plan: StepPlan, before: Before) -> None:
-    """max over ranks of ceil(rows / decode_batch) launches; lockstep pads, otherwise no padding."""
+    """max over decoding ranks of ceil(rows / decode_batch) launches; a rank decodes all its
+    rows or, while its prefill backlog fills every prefill launch, none; lockstep pads,
+    otherwise no padding."""
 
     def decodes(seq: Sequence) -> bool:  # a preempted request (stopping) decodes no more
         prefilled, planned = before[seq.request_id]
         was_decoding = prefilled >= seq.num_prompt_tokens and planned < seq.max_new_tokens
         return was_decoding and not seq.stopping
 
-    per_rank = [
-        sum(1 for s in state.running.values() if s.rank == r and decodes(s))
-        for r in range(state.config.num_ranks)
-    ]
-    assert len(plan.decode_launches) == max(-(-n // state.config.decode_batch) for n in per_rank)
-    if state.config.lockstep:
-        ranks = set(range(state.config.num_ranks))
+    config = state.config
+    planned = {r: 0 for r in range(config.num_ranks)}
+    for launch in plan.decode_launches:
+        for rank, rows in launch.items():
+            planned[rank] += len(rows)
+    for rank in range(config.num_ranks):
+        wanted = sum(1 for s in state.running.values() if s.rank == rank and decodes(s))
+        assert planned[rank] in (0, wanted)
+        if wanted and not planned[rank]:  # its decode waits: every prefill launch is used
+            assert config.decode_stall_steps > 0
+            assert len(plan.prefill[rank]) == config.prefill_slots
+            assert all(plan.prefill[rank]), "a waiting rank's prefill launch is a dummy"
+    launches = max(-(-n // config.decode_batch) for n in planned.values())
+    assert len(plan.decode_launches) == launches
+    if config.lockstep:
+        ranks = set(range(config.num_ranks))
         assert all(set(launch) == ranks for launch in plan.decode_launches)
         assert not plan.prefill or (
             set(plan.prefill) == ranks and len({len(c) for c in plan.prefill.values()}) == 1
@@ -204,6 +216,30 @@ def check_launch_shape(state: PoolState, plan: StepPlan, before: Before) -> None
     else:
         assert all(all(launch.values()) for launch in plan.decode_launches)
         assert all(DUMMY not in launches and launches for launches in plan.prefill.values())
+
+
+class StallBound:
+    """A rank's decoding rows wait at most `decode_stall_steps` steps in a row."""
+
+    def __init__(self) -> None:
+        self.waited: dict[int, int] = {}
+
+    def __call__(self, state: PoolState, plan: StepPlan, before: Before) -> None:
+        decoding = {
+            rank for launch in plan.decode_launches for rank, rows in launch.items() if rows
+        }
+        for rank in range(state.config.num_ranks):
+            wants = any(
+                s.rank == rank
+                and before[s.request_id][0] >= s.num_prompt_tokens
+                and before[s.request_id][1] < s.max_new_tokens
+                and not s.stopping
+                for s in state.running.values()
+            )
+            self.waited[rank] = (
+                self.waited.get(rank, 0) + 1 if wants and rank not in decoding else 0
+            )
+            assert self.waited[rank] <= state.config.decode_stall_steps
 
 
 def check_admission_order(state: PoolState, plan: StepPlan, before: Before) -> None:
@@ -219,7 +255,7 @@ def check_admission_order(state: PoolState, plan: StepPlan, before: Before) -> N
 def test_every_plan_respects_capacity_chunking_and_launch_shape(
     config: PlannerConfig, arrivals: list[Arrival]
 ) -> None:
-    simulate(config, arrivals, check_capacity_and_chunks, check_launch_shape)
+    simulate(config, arrivals, check_capacity_and_chunks, check_launch_shape, StallBound())
 
 
 @settings(max_examples=200, deadline=None)

@@ -151,6 +151,7 @@ def test_report_compares_the_pool_at_64_with_vllm_offline_and_its_server_at_64(
         "burst": {
             "requests": 64,
             "ttft_ms": {"p50": 150.0, "p90": 250.0, "p99": 300.0},
+            "itl_ms": {"p50": 15.0, "p90": 20.0, "p99": 150.0},
             "prefill_efficiency": 0.95,
             "prefill_launches_per_request": 0.5,
             "prefill_bound_ideal_ms": 250.0,
