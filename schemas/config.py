@@ -65,7 +65,7 @@ class Settings(BaseSettings):
         default=8, ge=1, le=64, description="prompts in one packed prefill launch, at most"
     )
     decode_stall_steps: int = Field(
-        default=2,
+        default=1,
         ge=0,
         le=64,
         description="steps a rank's decode may wait while more prompts wait than one step "
