@@ -12,7 +12,7 @@ from batcher.chat import ChatTemplate, ChatTemplateError
 from batcher.queue import arrival_ms, urgency
 from batcher.scheduler import Sequence
 from schemas.codec import DeadLetter, Rejected, decode_request
-from schemas.keys import FIELD, GROUP, Keys
+from schemas.keys import FIELD, GROUP, Keys, priority_class
 from schemas.messages import ErrorInfo, FinishReason, GenerateRequest, ResultChunk, Usage
 from schemas.results import ResultWriter
 
@@ -132,7 +132,9 @@ def make_sequence(tracked: Tracked, order: int, max_model_len: int, aging_s: flo
         request.sampling.max_tokens - len(tracked.resumed_ids), max_model_len - num_context
     )
     rank_by = urgency(request.priority, arrival_ms(tracked.entry_id), aging_s * 1000)
-    seq = Sequence(request.id, num_context, max_new, order, rank_by)
+    seq = Sequence(
+        request.id, num_context, max_new, order, rank_by, priority_class(request.priority)
+    )
     seq.isolated = tracked.rank_deaths >= SUSPECT_AFTER_DEATHS
     return seq
 

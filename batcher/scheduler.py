@@ -54,6 +54,7 @@ class Sequence:
     max_new_tokens: int  # tokens this run may still produce
     order: int  # arrival order, for FIFO fairness
     urgency: float = 0.0  # effective-priority order, higher first (see batcher/queue.py)
+    priority: int = 0  # priority class: a burst of lower classes never holds its decode back
     rank: int = -1
     slot: int = -1
     num_prefilled: int = 0
@@ -261,14 +262,18 @@ def _pick_rank(state: PoolState, isolated: bool) -> int | None:
 
 def _decode_waits(state: PoolState, rank: int, seqs: list[Sequence]) -> bool:
     """True when the rank's decode rows sit this step out so its prefill launches serve a
-    backlog sooner: more prefill waits than the step's launches carry, and the rows have
-    waited fewer than `decode_stall_steps` steps in a row. Counts the wait."""
+    backlog sooner: more prefill waits than the step's launches carry, none of the rows is
+    of a higher priority class than every waiting prompt, and the rows have waited fewer
+    than `decode_stall_steps` steps in a row. Counts the wait."""
     config = state.config
     stalled = state.decode_stalls.get(rank, 0)
+    rows = [s.priority for s in seqs if s.wants_decode]
+    prompts = [s.priority for s in seqs if s.wants_prefill]
     waits = (
         stalled < config.decode_stall_steps
-        and any(s.wants_decode for s in seqs)
+        and bool(rows)
         and _prefill_launches_wanted(seqs, config) > config.prefill_slots
+        and max(rows) <= max(prompts)
     )
     state.decode_stalls[rank] = stalled + 1 if waits else 0
     return waits

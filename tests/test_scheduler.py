@@ -335,3 +335,16 @@ def test_decode_runs_every_step_with_no_stall_budget_or_no_backlog() -> None:
         plans = [plan_step(state) for _ in range(3)]
         for plan in plans:
             assert any("d" in rows for launch in launch_ids(plan) for rows in launch.values())
+
+
+def test_a_burst_of_a_lower_priority_class_never_holds_back_a_higher_ones_decode() -> None:
+    state, row = burst_pool(stall=1, prompts=20)
+    row.priority = 2
+    plans = [plan_step(state) for _ in range(2)]
+    assert all("d" in launch_ids(plan)[-1][0] for plan in plans)
+    state, row = burst_pool(stall=1, prompts=20)
+    for seq in state.waiting[:1]:
+        seq.priority = 2  # one waiting prompt of the same class: the burst may stall it
+    row.priority = 2
+    plan = plan_step(state)
+    assert plan.decode_launches == [] and len(plan.prefill[0]) == 4

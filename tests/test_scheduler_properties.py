@@ -101,7 +101,9 @@ def simulate(
             index, a = pending.pop(0)
             request_id = f"r{index}"
             urgency = urgency_of(a.priority, a.step)
-            seq = Sequence(request_id, a.num_prompt_tokens, a.max_new_tokens, len(ends), urgency)
+            seq = Sequence(
+                request_id, a.num_prompt_tokens, a.max_new_tokens, len(ends), urgency, a.priority
+            )
             state.waiting.append(seq)
             ends[request_id] = a.max_new_tokens if a.stop_at is None else a.stop_at
             done[request_id] = 0
@@ -134,6 +136,7 @@ def resumed(seq: Sequence) -> Sequence:
         seq.max_new_tokens - seq.num_planned_tokens,
         seq.order,
         seq.urgency,
+        seq.priority,
     )
 
 
@@ -205,6 +208,13 @@ def check_launch_shape(state: PoolState, plan: StepPlan, before: Before) -> None
             assert config.decode_stall_steps > 0
             assert len(plan.prefill[rank]) == config.prefill_slots
             assert all(plan.prefill[rank]), "a waiting rank's prefill launch is a dummy"
+            rows = [s.priority for s in state.running.values() if s.rank == rank and decodes(s)]
+            prompts = [
+                s.priority
+                for s in state.running.values()
+                if s.rank == rank and before[s.request_id][0] < s.num_prompt_tokens
+            ]
+            assert max(rows) <= max(prompts), "a lower class's burst held back a higher's decode"
     launches = max(-(-n // config.decode_batch) for n in planned.values())
     assert len(plan.decode_launches) == launches
     if config.lockstep:
