@@ -121,9 +121,10 @@ class StepChannel:
     def answered(self, result: StepResult) -> float | None:
         """Mark `result`'s rank done with its step; the step's seconds in flight once every
         rank it went to has answered."""
-        launches = result.num_decode_launches + result.num_prefill_launches
+        counts = result.counts
+        launches = counts.num_decode_launches + counts.num_prefill_launches
         if launches:
-            ms = result.exec_ms / launches
+            ms = counts.exec_ms / launches
             last = self.ms_per_launch
             self.ms_per_launch = ms if last is None else last + LAUNCH_MS_WEIGHT * (ms - last)
         step = self.inflight.get(result.step)

@@ -398,15 +398,16 @@ class Batcher:
 
     def _apply(self, result: StepResult, pipe: redis.client.Pipeline) -> None:
         self.book.apply(result, pipe)
-        self.stats["decode_launches"] += result.num_decode_launches
-        self.stats["padding_rows"] += result.num_padding_rows
-        self.stats["mtp_proposed"] += result.num_draft_proposed
-        self.stats["mtp_accepted"] += result.num_draft_accepted
-        self.stats["prefill_launches"] += result.num_prefill_launches
-        self.stats["prefill_tokens"] += result.num_prefill_tokens
-        self.stats["rank_exec_us"] += int(result.exec_ms * 1000)
-        self.stats["rank_launch_us"] += int(result.launch_ms * 1000)
-        self.stats["rank_idle_us"] += int(result.idle_ms * 1000)
+        counts = result.counts
+        self.stats["decode_launches"] += counts.num_decode_launches
+        self.stats["padding_rows"] += counts.num_padding_rows
+        self.stats["mtp_proposed"] += counts.num_draft_proposed
+        self.stats["mtp_accepted"] += counts.num_draft_accepted
+        self.stats["prefill_launches"] += counts.num_prefill_launches
+        self.stats["prefill_tokens"] += counts.num_prefill_tokens
+        self.stats["rank_exec_us"] += int(counts.exec_ms * 1000)
+        self.stats["rank_launch_us"] += int(counts.launch_ms * 1000)
+        self.stats["rank_idle_us"] += int(counts.idle_ms * 1000)
         seconds = self.channel.answered(result)
         if seconds is not None and self.metrics is not None:
             self.metrics.step_seconds.observe(seconds)

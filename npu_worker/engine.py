@@ -137,9 +137,10 @@ class RankEngine:
             if state.finish is not None:
                 self.slots.pop(state.slot, None)
         self.touched.clear()
-        record.exec_ms = (time.perf_counter() - started) * 1000
-        record.launch_ms = sum(s for _, s in self.runner.launch_seconds) * 1000
-        record.idle_ms = idle_ms
+        counts = record.counts
+        counts.exec_ms = (time.perf_counter() - started) * 1000
+        counts.launch_ms = sum(s for _, s in self.runner.launch_seconds) * 1000
+        counts.idle_ms = idle_ms
         self._count(record)
         return record
 
@@ -147,10 +148,11 @@ class RankEngine:
         totals = self.totals
         totals["tokens"] += sum(len(row.token_ids) for row in record.rows)
         totals["steps"] += 1
-        totals["decode_rows"] += record.num_decode_rows
-        totals["padding_rows"] += record.num_padding_rows
-        totals["mtp_proposed"] += record.num_draft_proposed
-        totals["mtp_accepted"] += record.num_draft_accepted
+        counts = record.counts
+        totals["decode_rows"] += counts.num_decode_rows
+        totals["padding_rows"] += counts.num_padding_rows
+        totals["mtp_proposed"] += counts.num_draft_proposed
+        totals["mtp_accepted"] += counts.num_draft_accepted
 
     def _admit(self, new: NewRequest) -> SlotState:
         sampling = new.sampling
@@ -176,9 +178,10 @@ class RankEngine:
     def _decode(self, slots: list[int], record: StepRecord) -> None:
         states = [st for s in slots if (st := self.slots.get(s)) is not None and st.decoding]
         live = [st.slot for st in states]
-        record.num_decode_launches += 1
-        record.num_decode_rows += len(states)
-        record.num_padding_rows += self.runner.decode_batch - len(states)
+        counts = record.counts
+        counts.num_decode_launches += 1
+        counts.num_decode_rows += len(states)
+        counts.num_padding_rows += self.runner.decode_batch - len(states)
         if self.runner.mtp:
             self._verify(live, states, record)
             return
@@ -191,7 +194,7 @@ class RankEngine:
     def _prefill(self, launch: list[PrefillChunk], record: StepRecord) -> None:
         """One prefill launch: one request's chunk, or (packed) several requests' segments.
         A segment that completes its prompt samples the request's first token."""
-        record.num_prefill_launches += 1
+        record.counts.num_prefill_launches += 1
         live = [
             (chunk, state)
             for chunk in launch
@@ -201,7 +204,7 @@ class RankEngine:
             if not launch or self.lockstep:  # every rank runs the same launches
                 self.runner.dummy_prefill()
             return
-        record.num_prefill_tokens += sum(chunk.num_tokens for chunk, _ in live)
+        record.counts.num_prefill_tokens += sum(chunk.num_tokens for chunk, _ in live)
         segments = [
             Segment(c.slot, s.token_ids[c.start : c.start + c.num_tokens], c.start) for c, s in live
         ]
@@ -253,8 +256,8 @@ class RankEngine:
         accepted = decided.accepted.tolist()
         first_lp = self._logprobs(states, logits[:, 0], firsts)
         second_lp = self._logprobs(states, logits[:, 1], seconds)
-        record.num_draft_proposed += len(states)
-        record.num_draft_accepted += sum(accepted)
+        record.counts.num_draft_proposed += len(states)
+        record.counts.num_draft_accepted += sum(accepted)
         for i, state in enumerate(states):
             if state.finish is not None:  # its row failed to decide
                 continue

@@ -77,21 +77,7 @@ class OutputProcessor:
     def process(self, record: StepRecord) -> StepOutput:
         """The chunks and the step result of one step record."""
         result = StepResult(
-            record.epoch,
-            record.step,
-            record.rank,
-            record.incarnation,
-            [],
-            record.num_decode_launches,
-            record.num_decode_rows,
-            record.num_padding_rows,
-            record.num_prefill_launches,
-            record.num_prefill_tokens,
-            record.num_draft_proposed,
-            record.num_draft_accepted,
-            record.exec_ms,
-            record.launch_ms,
-            record.idle_ms,
+            record.epoch, record.step, record.rank, record.incarnation, [], record.counts
         )
         output = StepOutput([], result)
         for new in record.new_requests:

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgpack
 
-from schemas.control import NewRequest, SlotStop
+from schemas.control import NewRequest, SlotStop, StepCounts
 
 
 @dataclass(slots=True)
@@ -42,16 +42,7 @@ class StepRecord:
     new_requests: list[NewRequest] = field(default_factory=list)
     stops: list[SlotStop] = field(default_factory=list)
     rows: list[TokenRow] = field(default_factory=list)
-    num_decode_launches: int = 0
-    num_decode_rows: int = 0
-    num_padding_rows: int = 0
-    num_prefill_launches: int = 0
-    num_prefill_tokens: int = 0
-    num_draft_proposed: int = 0
-    num_draft_accepted: int = 0
-    exec_ms: float = 0.0
-    launch_ms: float = 0.0
-    idle_ms: float = 0.0
+    counts: StepCounts = field(default_factory=StepCounts)
 
     def encode(self) -> bytes:
         """msgpack bytes of the record."""
@@ -67,16 +58,7 @@ class StepRecord:
                     [r.slot, r.admission, r.token_ids, r.finish, r.error, r.logprobs]
                     for r in self.rows
                 ],
-                self.num_decode_launches,
-                self.num_decode_rows,
-                self.num_padding_rows,
-                self.num_prefill_launches,
-                self.num_prefill_tokens,
-                self.num_draft_proposed,
-                self.num_draft_accepted,
-                self.exec_ms,
-                self.launch_ms,
-                self.idle_ms,
+                self.counts.to_wire(),
             ]
         )
 
@@ -87,6 +69,7 @@ class StepRecord:
         values["new_requests"] = [NewRequest.from_wire(n) for n in values["new_requests"]]
         values["stops"] = [SlotStop(*s) for s in values["stops"]]
         values["rows"] = [TokenRow(*r) for r in values["rows"]]
+        values["counts"] = StepCounts.from_wire(values["counts"])
         return cls(**values)
 
 

@@ -138,14 +138,10 @@ class RequestOutcome:
 
 
 @dataclass(slots=True)
-class StepResult:
-    """A rank's report of a step, written in the same script as the step's chunks."""
+class StepCounts:
+    """What one step of a rank did: its launches, rows, prompt tokens and MTP drafts, and
+    where its time went. The rank's model thread counts them; its step result carries them."""
 
-    epoch: int
-    step: int
-    rank: int
-    incarnation: str = ""
-    outcomes: list[RequestOutcome] = field(default_factory=list)
     num_decode_launches: int = 0
     num_decode_rows: int = 0
     num_padding_rows: int = 0
@@ -157,6 +153,32 @@ class StepResult:
     launch_ms: float = 0.0  # of which inside launches
     idle_ms: float = 0.0  # waiting for this plan before it
 
+    def to_wire(self) -> list[Any]:
+        """The counts in field order."""
+        return [getattr(self, name) for name in _STEP_COUNT_FIELDS]
+
+    @classmethod
+    def from_wire(cls, values: list[Any]) -> StepCounts:
+        """Counts from `to_wire`'s list; ValueError if it is not one."""
+        if len(values) != len(_STEP_COUNT_FIELDS):
+            raise ValueError(f"{len(values)} step counts, expected {len(_STEP_COUNT_FIELDS)}")
+        return cls(*values)
+
+
+_STEP_COUNT_FIELDS = tuple(f.name for f in fields(StepCounts))
+
+
+@dataclass(slots=True)
+class StepResult:
+    """A rank's report of a step, written in the same script as the step's chunks."""
+
+    epoch: int
+    step: int
+    rank: int
+    incarnation: str = ""
+    outcomes: list[RequestOutcome] = field(default_factory=list)
+    counts: StepCounts = field(default_factory=StepCounts)
+
     def encode(self) -> bytes:
         """msgpack bytes of the result."""
         outcomes = [
@@ -164,31 +186,21 @@ class StepResult:
             for o in self.outcomes
         ]
         return msgpack.packb(
-            [
-                self.epoch,
-                self.step,
-                self.rank,
-                self.incarnation,
-                outcomes,
-                self.num_decode_launches,
-                self.num_decode_rows,
-                self.num_padding_rows,
-                self.num_prefill_launches,
-                self.num_prefill_tokens,
-                self.num_draft_proposed,
-                self.num_draft_accepted,
-                self.exec_ms,
-                self.launch_ms,
-                self.idle_ms,
-            ]
+            [self.epoch, self.step, self.rank, self.incarnation, outcomes, self.counts.to_wire()]
         )
 
     @classmethod
     def decode(cls, raw: bytes) -> StepResult:
         """A result from its bytes; ValueError if they are not one."""
         try:
-            values = dict(zip([f.name for f in fields(cls)], msgpack.unpackb(raw), strict=True))
-            values["outcomes"] = [RequestOutcome(*o) for o in values["outcomes"]]
-            return cls(**values)
+            epoch, step, rank, incarnation, outcomes, counts = msgpack.unpackb(raw)
+            return cls(
+                epoch,
+                step,
+                rank,
+                incarnation,
+                [RequestOutcome(*o) for o in outcomes],
+                StepCounts.from_wire(counts),
+            )
         except (ValueError, TypeError) as exc:
             raise ValueError(f"not a step result: {exc}") from exc

@@ -5,7 +5,9 @@ from __future__ import annotations
 import msgpack
 import pytest
 
+from npu_worker.records import StepRecord, TokenRow
 from schemas.codec import CodecError, DeadLetter, Rejected, decode, decode_request, encode
+from schemas.control import RequestOutcome, SlotStop, StepCounts, StepResult
 from schemas.messages import FinishReason, GenerateRequest, ResultChunk, SamplingParams, Usage
 
 MAX_BYTES = 1 << 20
@@ -89,3 +91,14 @@ def test_entry_over_max_request_bytes_is_rejected_with_its_size() -> None:
 def test_decode_names_the_expected_type_on_a_wrong_message() -> None:
     with pytest.raises(CodecError, match="ResultChunk"):
         decode(ResultChunk, msgpack.packb({"id": "x"}))
+
+
+def test_step_results_and_records_round_trip_with_their_counts() -> None:
+    counts = StepCounts(3, 17, 7, 2, 250, 17, 11, 12.5, 11.0, 0.25)
+    result = StepResult(4, 99, 1, "inc", [RequestOutcome("r1", 2, 2, "stop")], counts)
+    assert StepResult.decode(result.encode()) == result
+    record = StepRecord(4, 99, 1, "inc", stops=[SlotStop(5, "r2", "cancelled", 1)], counts=counts)
+    record.rows.append(TokenRow(3, 2, [10, 11], "stop"))
+    assert StepRecord.decode(record.encode()) == record
+    with pytest.raises(ValueError, match="not a step result"):
+        StepResult.decode(msgpack.packb([4, 99, 1, "inc", [], [1, 2]]))

@@ -133,7 +133,7 @@ def test_engine_runs_only_the_declared_launch_shapes(loaded: LoadedModel) -> Non
     assert shapes == {(1, SETTINGS.prefill_chunk), (SETTINGS.decode_batch, 1)}
     assert [len(o.chunks) for o in outputs] == [1, 2, 2]
     assert outputs[2].chunks[0].finish_reason == "length"  # r0: 3 tokens, max_tokens 3
-    assert outputs[2].result.num_padding_rows == SETTINGS.decode_batch - 2
+    assert outputs[2].result.counts.num_padding_rows == SETTINGS.decode_batch - 2
 
 
 def test_generation_stops_at_max_model_len(loaded: LoadedModel) -> None:

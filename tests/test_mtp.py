@@ -135,10 +135,10 @@ def test_greedy_with_mtp_equals_greedy_without_over_three_microbatches_per_rank(
         StepResult.decode(f[b"m"])
         for _, f in redis_client.xrange(Keys().step_results(settings.pool))
     ]
-    proposed = sum(s.num_draft_proposed for s in steps)
-    accepted = sum(s.num_draft_accepted for s in steps)
+    proposed = sum(s.counts.num_draft_proposed for s in steps)
+    accepted = sum(s.counts.num_draft_accepted for s in steps)
     assert 0 < accepted < proposed  # both the accept and the reject paths ran
-    assert max(s.num_decode_launches for s in steps) == 3  # 12 rows per rank, B4
+    assert max(s.counts.num_decode_launches for s in steps) == 3  # 12 rows per rank, B4
 
 
 def sample_paths(loaded: LoadedModel, count: int, seed_base: int) -> Counter:

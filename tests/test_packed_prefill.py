@@ -160,7 +160,7 @@ def test_a_burst_is_prefilled_packed_with_lone_run_tokens(
         StepResult.decode(fields[b"m"])
         for _, fields in redis_client.xrange(Keys().step_results(pool_settings.pool))
     ]
-    launches = sum(s.num_prefill_launches for s in steps)
-    prompt_tokens = sum(s.num_prefill_tokens for s in steps)
+    launches = sum(s.counts.num_prefill_launches for s in steps)
+    prompt_tokens = sum(s.counts.num_prefill_tokens for s in steps)
     assert prompt_tokens == sum(len(p) for p in prompts)
     assert launches < len(prompts)  # several prompts per launch; unpacked it takes 24
