@@ -150,14 +150,20 @@ class PoolState:
 
 def plan_step(state: PoolState) -> StepPlan:
     """Admit what fits (preempting for much more urgent requests), then plan decode for every
-    prefilled request (but on a rank whose prefill backlog exceeds one step, for at most
-    `decode_stall_steps` steps in a row), then prefill chunks."""
+    prefilled request (but, while the pool has free slots, not on a rank whose prefill
+    backlog exceeds one step, for at most `decode_stall_steps` steps in a row), then prefill
+    chunks. A full pool always decodes: finishing requests is what lets queued ones in."""
     plan = StepPlan(admitted=_admit(state), preempted=_preempt(state))
     by_rank: dict[int, list[Sequence]] = {r: [] for r in sorted(state.ranks)}
     for seq in state.running.values():
         if seq.rank in by_rank:
             by_rank[seq.rank].append(seq)
-    decoding = {r: seqs for r, seqs in by_rank.items() if not _decode_waits(state, r, seqs)}
+    may_wait = state.room() > 0 and not state.waiting
+    decoding = {
+        r: seqs for r, seqs in by_rank.items() if not (may_wait and _decode_waits(state, r, seqs))
+    }
+    if not may_wait:
+        state.decode_stalls.clear()
     plan.decode_launches = _plan_decode(decoding, state.config, lockstep_ranks=by_rank)
     plan.prefill = _plan_prefill(by_rank, state.config)
     return plan

@@ -337,6 +337,16 @@ def test_decode_runs_every_step_with_no_stall_budget_or_no_backlog() -> None:
             assert any("d" in rows for launch in launch_ids(plan) for rows in launch.values())
 
 
+def test_a_full_pool_decodes_every_step_whatever_waits_to_be_prefilled() -> None:
+    state = make_state(kv_slots_per_rank=21, pack_prefill=True, decode_stall_steps=1)
+    place(state, "d", rank=0, slot=20)
+    submit(state, *[100] * 20)  # 2000 tokens to prefill, and the pool now full
+    plans = [plan_step(state) for _ in range(3)]
+    assert state.room() == 0
+    for plan in plans:
+        assert any("d" in rows for launch in launch_ids(plan) for rows in launch.values())
+
+
 def test_a_burst_of_a_lower_priority_class_never_holds_back_a_higher_ones_decode() -> None:
     state, row = burst_pool(stall=1, prompts=20)
     row.priority = 2

@@ -206,6 +206,7 @@ def check_launch_shape(state: PoolState, plan: StepPlan, before: Before) -> None
         assert planned[rank] in (0, wanted)
         if wanted and not planned[rank]:  # its decode waits: every prefill launch is used
             assert config.decode_stall_steps > 0
+            assert state.room() > 0 and not state.waiting, "a full pool's decode waited"
             assert len(plan.prefill[rank]) == config.prefill_slots
             assert all(plan.prefill[rank]), "a waiting rank's prefill launch is a dummy"
             rows = [s.priority for s in state.running.values() if s.rank == rank and decodes(s)]
