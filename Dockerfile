@@ -10,10 +10,12 @@ ARG TORCH_SPEC="torch==2.5.1"
 ARG TORCH_NPU_SPEC="torch_npu==2.5.1"
 WORKDIR /app
 COPY pyproject.toml README.md ./
+COPY npu_pool npu_pool
 COPY schemas schemas
 COPY producer producer
 COPY batcher batcher
 COPY npu_worker npu_worker
+COPY bench bench
 RUN pip install --no-cache-dir "${TORCH_SPEC}" "${TORCH_NPU_SPEC}" \
     && pip install --no-cache-dir ".[all,npu]"
 ENV NPUPOOL_DEVICE=npu
@@ -27,9 +29,11 @@ RUN apt-get update && apt-get install -y --no-install-recommends gcc make \
 WORKDIR /app
 RUN pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" torch
 COPY pyproject.toml README.md ./
+COPY npu_pool npu_pool
 COPY schemas schemas
 COPY producer producer
 COPY batcher batcher
 COPY npu_worker npu_worker
+COPY bench bench
 RUN pip install --no-cache-dir ".[all]"
 CMD ["npu-pool", "up"]

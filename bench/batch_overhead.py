@@ -15,10 +15,10 @@ import time
 from collections import deque
 from pathlib import Path
 
-from producer.batch import BatchInfo, submit
+from npu_pool.embedded import EmbeddedRedis
+from npu_pool.launcher import PoolProcesses
+from producer.batch.jobs import BatchInfo, submit
 from producer.client import Client
-from producer.embedded import EmbeddedRedis
-from producer.launcher import PoolProcesses
 from schemas.config import Settings
 
 
@@ -59,7 +59,7 @@ def main() -> None:
                 [
                     sys.executable,
                     "-m",
-                    "schemas.cli",
+                    "npu_pool.cli",
                     "batch",
                     "--redis-url",
                     url,

@@ -13,10 +13,10 @@ import resource
 import tempfile
 from pathlib import Path
 
+from bench.loadgen import Workload, run_workload, summarise
+from npu_pool.embedded import EmbeddedRedis
+from npu_pool.launcher import PoolProcesses
 from producer.client import Client
-from producer.embedded import EmbeddedRedis
-from producer.launcher import PoolProcesses
-from producer.loadgen import Workload, run_workload, summarise
 from schemas.config import Settings
 
 

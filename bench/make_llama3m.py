@@ -18,14 +18,15 @@ import json
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
 
-from npu_worker.tiny import ensure_tiny_model
+from npu_worker.models.tiny import ensure_tiny_model
 
 VOCAB_SIZE = 512
-CONFIG = {
+CONFIG: dict[str, Any] = {
     "hidden_size": 256,
     "intermediate_size": 640,
     "num_hidden_layers": 4,

@@ -20,9 +20,9 @@ from typing import Any
 
 import redis
 
+from npu_pool.embedded import EmbeddedRedis
+from npu_pool.launcher import PoolProcesses
 from producer.client import AsyncClient, Client
-from producer.embedded import EmbeddedRedis
-from producer.launcher import PoolProcesses
 from schemas.codec import decode
 from schemas.config import Settings
 from schemas.keys import FIELD, Keys

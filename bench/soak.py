@@ -19,13 +19,15 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import cast
 
+from npu_pool.embedded import EmbeddedRedis
+from npu_pool.launcher import PoolProcesses
 from producer.client import Client
-from producer.embedded import EmbeddedRedis
-from producer.launcher import PoolProcesses
 from producer.status import pool_status, queue_depths
 from schemas.codec import decode
 from schemas.config import Settings
+from schemas.connection import Entry
 from schemas.keys import Keys
 from schemas.messages import ResultChunk
 
@@ -45,7 +47,7 @@ def audit(client: Client, request_ids: list[str]) -> dict[str, int]:
     }
     keys = Keys()
     for request_id in request_ids:
-        entries = client.redis.xrange(keys.result(request_id))
+        entries = cast(list[Entry], client.redis.xrange(keys.result(request_id)))
         chunks = [decode(ResultChunk, fields[b"m"]) for _, fields in entries]
         finals = [c for c in chunks if c.is_final]
         expected_index = 0

@@ -14,15 +14,16 @@ import argparse
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
 from tokenizers import Tokenizer
 
-from npu_worker.loader import load_model
-from producer.bench_vllm import run_offline
-from producer.loadgen import Workload
-from producer.vllm_env import check_vllm_peer
+from bench.loadgen import Workload
+from bench.vllm_bench import run_offline
+from bench.vllm_env import check_vllm_peer
+from npu_worker.models.loader import load_model
 from schemas.config import Settings
 
 TIE_TOLERANCE = 1e-3  # a top-2 logit gap under this may resolve either way in float32
@@ -30,9 +31,7 @@ NUM_REQUESTS = 8
 MAX_TOKENS = 32
 
 
-def hf_greedy(
-    model: torch.nn.Module, prompt: list[int], max_tokens: int
-) -> tuple[list[int], list[float]]:
+def hf_greedy(model: Any, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
     """`transformers`' greedy tokens, and the top-2 logit gap at each of them."""
     out = model.generate(
         torch.tensor([prompt]),

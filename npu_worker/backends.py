@@ -17,7 +17,8 @@ from typing import Any, Protocol
 
 import torch
 
-from npu_worker.model import CausalLM, KVCache, LaunchInputs, LaunchOutput
+from npu_worker.models.launch import KVCache, LaunchInputs, LaunchOutput
+from npu_worker.models.llama import CausalLM
 
 
 class LaunchBackend(Protocol):

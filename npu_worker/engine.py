@@ -6,7 +6,7 @@ decode launches, then its prefill launches; every launch's sampled tokens stay o
 device until the step ends, when one transfer brings them all to the host. It decides the
 endings token ids alone show (EOS or a stop token id, `max_tokens`, `max_model_len`) and
 returns a StepRecord. Detokenizing, stop strings, chunks and publishing belong to the
-rank's output process (npu_worker/output.py); see docs/architecture.md.
+rank's output process (npu_worker/output/); see docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from npu_worker.model import LaunchOutput
+from npu_worker.models.launch import LaunchOutput
 from npu_worker.mtp import Acceptance, accept_drafts
-from npu_worker.records import StepRecord, TokenRow
+from npu_worker.output.records import StepRecord, TokenRow
 from npu_worker.runner import LaunchRunner, Segment
 from npu_worker.sampler import SamplingTable, sample, token_logprobs
 from schemas.control import NewRequest, PrefillChunk, RankStepPlan

@@ -20,18 +20,18 @@ import uuid
 import redis
 from prometheus_client import CollectorRegistry
 
+from npu_pool.metrics import CountsCollector, serve_metrics
 from npu_worker.engine import RankEngine
-from npu_worker.model_config import UnsupportedModel
+from npu_worker.models.config import UnsupportedModel
+from npu_worker.models.presets import load_for
+from npu_worker.output.process import OutputProcess
 from npu_worker.plans import PlanReader
-from npu_worker.presets import load_for
-from npu_worker.publisher import OutputProcess
 from npu_worker.rank_metrics import RankMetrics
 from npu_worker.runner import LaunchRunner
 from npu_worker.startup import rank_hash_reporter
 from schemas.config import Settings
 from schemas.connection import connect, last_entry_id
 from schemas.keys import Keys
-from schemas.metrics import CountsCollector, serve_metrics
 
 log = logging.getLogger("npu_pool.worker")
 REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from npu_worker.backends import make_backend
-from npu_worker.model import CausalLM, KVCache, LaunchInputs, LaunchOutput
+from npu_worker.models.launch import KVCache, LaunchInputs, LaunchOutput
+from npu_worker.models.llama import CausalLM
 from npu_worker.startup import ReportProgress, no_progress
 
 

@@ -26,9 +26,9 @@ if OWN_HOME is not None:
 os.environ.pop("REDIS_URL", None)
 os.environ.pop("NPUPOOL_REDIS_URL", None)
 
+from npu_pool.embedded import EmbeddedRedis  # noqa: E402
+from npu_pool.launcher import PoolProcesses  # noqa: E402
 from producer.client import Client  # noqa: E402
-from producer.embedded import EmbeddedRedis  # noqa: E402
-from producer.launcher import PoolProcesses  # noqa: E402
 from schemas.config import Settings  # noqa: E402
 
 
@@ -151,7 +151,7 @@ def start_gateway(redis_url: str, tmp_path: Path) -> Iterator[StartGateway]:
         log_path = tmp_path / f"gateway-{port}.log"
         with open(log_path, "wb") as log:
             process = subprocess.Popen(
-                [sys.executable, "-m", "schemas.cli", "gateway", "--port", str(port)]
+                [sys.executable, "-m", "npu_pool.cli", "gateway", "--port", str(port)]
                 + ["--redis-url", redis_url, *flags],
                 env={**os.environ, **(env or {})},
                 stdout=log,

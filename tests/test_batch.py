@@ -23,7 +23,7 @@ KEYS = Keys()
 
 def batch_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "schemas.cli", "batch", *args],
+        [sys.executable, "-m", "npu_pool.cli", "batch", *args],
         env=env,
         capture_output=True,
         text=True,
@@ -32,7 +32,7 @@ def batch_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[st
 
 
 def start_worker(env: dict[str, str], log: Path, *command: str) -> subprocess.Popen[bytes]:
-    command = command or (sys.executable, "-m", "schemas.cli", "batch", "worker")
+    command = command or (sys.executable, "-m", "npu_pool.cli", "batch", "worker")
     return subprocess.Popen(command, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT)
 
 

@@ -10,7 +10,7 @@ import re
 import subprocess
 import sys
 
-from schemas.cli import COMMANDS
+from npu_pool.cli import COMMANDS
 
 SUBCOMMANDS = [
     ["batch", "submit"],
@@ -22,7 +22,7 @@ SUBCOMMANDS = [
 # Every `--help` in one process, which must not have imported torch when done.
 HELP_ALL = """
 import contextlib, io, json, sys
-from schemas.cli import main
+from npu_pool.cli import main
 texts = {}
 for argv in json.loads(sys.argv[1]):
     out = io.StringIO()
@@ -67,7 +67,7 @@ def help_texts() -> tuple[dict[str, str], bool]:
 def test_every_flag_of_every_command_has_a_help_text_and_help_never_loads_torch() -> None:
     texts, torch_loaded = help_texts()
     kernels = subprocess.run(
-        [sys.executable, "-m", "schemas.cli", "bench", "--kernels", "--help"],
+        [sys.executable, "-m", "npu_pool.cli", "bench", "--kernels", "--help"],
         capture_output=True,
         text=True,
         check=True,
@@ -93,7 +93,7 @@ def test_the_help_checker_finds_a_flag_without_help() -> None:
 
 def test_version_names_the_installed_distribution() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "schemas.cli", "--version"], capture_output=True, text=True
+        [sys.executable, "-m", "npu_pool.cli", "--version"], capture_output=True, text=True
     )
     assert done.returncode == 0
     assert done.stdout == f"npu-pool {importlib.metadata.version('npu-pool')}\n"

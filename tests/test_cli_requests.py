@@ -26,7 +26,7 @@ def cli(redis_url: str | None, *args: str) -> subprocess.CompletedProcess[str]:
     if redis_url is not None:
         env["REDIS_URL"] = redis_url
     return subprocess.run(
-        [sys.executable, "-m", "schemas.cli", *args],
+        [sys.executable, "-m", "npu_pool.cli", *args],
         env=env,
         capture_output=True,
         text=True,

@@ -10,9 +10,9 @@ import sys
 import pytest
 import redis
 
+from npu_pool.cli import main as cli_main
+from npu_pool.embedded import EmbeddedRedis
 from producer.client import AsyncClient, Client, QueueFull
-from producer.embedded import EmbeddedRedis
-from schemas.cli import main as cli_main
 from schemas.config import Settings, resolve_redis_url
 from schemas.keys import Keys
 
@@ -113,7 +113,7 @@ def test_dispatcher_rejects_unknown_commands_and_bad_values(capsys) -> None:
 
 def test_producer_and_batcher_never_import_torch() -> None:
     code = (
-        "import sys, producer.cli, producer.client, producer.launcher, producer.demo, "
+        "import sys, producer.cli, producer.client, npu_pool.launcher, npu_pool.demo, "
         "batcher.service; bad = [m for m in ('torch',) if m in sys.modules]; print(bad)"
     )
     out = subprocess.run(
@@ -141,7 +141,7 @@ def test_serving_benchmark_reports_levels_ceiling_and_ratios(tmp_path) -> None:
         [
             sys.executable,
             "-m",
-            "schemas.cli",
+            "npu_pool.cli",
             "bench",
             "--concurrency",
             "1",

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import redis
 
+from npu_pool.embedded import EmbeddedRedis
 from producer.client import Client
-from producer.embedded import EmbeddedRedis
 from tests.helpers import check_stream, wait_until
 
 

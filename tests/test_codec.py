@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from npu_worker.records import StepRecord, TokenRow
+from npu_worker.output.records import StepRecord, TokenRow
 from schemas.codec import CodecError, DeadLetter, Rejected, decode, decode_request, encode
 from schemas.control import RequestOutcome, SlotStop, StepCounts, StepResult
 from schemas.messages import FinishReason, GenerateRequest, ResultChunk, SamplingParams, Usage

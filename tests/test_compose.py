@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from schemas.cli import COMMANDS
+from npu_pool.cli import COMMANDS
 from schemas.config import Settings
 
 COMPOSE = Path(__file__).resolve().parent.parent / "docker-compose.yml"
@@ -21,7 +21,7 @@ def parser_for(command: str) -> argparse.ArgumentParser:
     elif command == "worker":
         from npu_worker.service import build_parser
     elif command == "batch":
-        from producer.batch_cli import build_parser
+        from producer.batch.cli import build_parser
     elif command == "gateway":
         from producer.gateway.cli import build_parser
     else:

@@ -180,7 +180,7 @@ def test_bench_http_measures_the_gateway_and_another_openai_server_with_one_clie
     flags = ["--concurrency", "2", "--requests", "4", "--output-len", "3", "6"]
     flags += ["--prompt-len", "3", "7", "--no-peers", "--device", "cpu", "--json", str(out)]
     done = subprocess.run(
-        [sys.executable, "-m", "schemas.cli", "bench", "--http", "--http-url", other.url + "/v1"]
+        [sys.executable, "-m", "npu_pool.cli", "bench", "--http", "--http-url", other.url + "/v1"]
         + flags,
         capture_output=True,
         text=True,

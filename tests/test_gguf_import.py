@@ -17,12 +17,12 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from npu_worker.gguf_import import import_gguf
-from npu_worker.imported import ensure_imported, packaged_gguf
-from npu_worker.loader import read_chat_template
-from npu_worker.model_config import UnsupportedModel
-from npu_worker.presets import resolve_model_dir
-from npu_worker.tiny import CHAT_TEMPLATE, ensure_tiny_model
+from npu_worker.models.config import UnsupportedModel
+from npu_worker.models.gguf_import import import_gguf
+from npu_worker.models.imported import ensure_imported, packaged_gguf
+from npu_worker.models.loader import read_chat_template
+from npu_worker.models.presets import resolve_model_dir
+from npu_worker.models.tiny import CHAT_TEMPLATE, ensure_tiny_model
 from producer.client import Client
 from tests.helpers import TIE_TOLERANCE, check_stream, random_prompt
 from tests.reference import ReferenceCompletion, first_divergence
@@ -235,7 +235,7 @@ def test_unsupported_gguf_files_are_refused_naming_the_value(tmp_path: Path) -> 
 
 def test_models_import_writes_a_directory_once_and_the_cache_reuses_it(tmp_path: Path) -> None:
     path = write_gguf(hf_checkpoint("llama"), "llama", "Q4_1", tmp_path / "m.gguf")
-    command = [sys.executable, "-m", "schemas.cli", "models", "import", str(path)]
+    command = [sys.executable, "-m", "npu_pool.cli", "models", "import", str(path)]
     out = tmp_path / "dir"
     done = subprocess.run([*command, "--out", str(out)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

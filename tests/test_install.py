@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-# Modules only the extras bring (schemas/extras.py); the producer side must not need them.
+# Modules only the extras bring (npu_pool/extras.py); the producer side must not need them.
 EXTRA_ONLY = (
     "torch",
     "numpy",
@@ -30,7 +30,7 @@ class Hide(importlib.abc.MetaPathFinder):
             raise ModuleNotFoundError(f"No module named {name!r}", name=name)
         return None
 sys.meta_path.insert(0, Hide())
-from schemas.cli import main
+from npu_pool.cli import main
 sys.exit(main(sys.argv[2:]))
 """
 
@@ -38,7 +38,7 @@ sys.exit(main(sys.argv[2:]))
 def test_the_producer_side_imports_nothing_that_only_an_extra_brings() -> None:
     code = (
         "import sys, producer, producer.cli, producer.streams, producer.gateway.app, "
-        "producer.gateway.cli, producer.loadgen; "
+        "producer.gateway.cli, npu_pool.cli; "
         f"print([m for m in {EXTRA_ONLY!r} if m in sys.modules])"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

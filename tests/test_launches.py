@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from npu_worker.loader import LoadedModel
-from npu_worker.model import LaunchInputs
+from npu_worker.models.launch import LaunchInputs
+from npu_worker.models.loader import LoadedModel
 from npu_worker.runner import LaunchRunner
 from schemas.config import Settings
 from schemas.control import NewRequest, PrefillChunk, RankStepPlan

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import redis
 
+from npu_pool.embedded import EmbeddedRedis, TlsFiles
 from producer.client import Client
-from producer.embedded import EmbeddedRedis, TlsFiles
 from schemas.keys import Keys
 from schemas.messages import FinishReason
 from tests.helpers import check_stream, wait_until

@@ -120,14 +120,14 @@ def test_pools_that_disagree_share_the_strictest_bound_and_status_says_so(
     assert limits["max_queue"] == 8
     assert {name: v["max_queue"] for name, v in limits["pools"].items()} == {"a": 8, "b": 20}
     shown = subprocess.run(
-        [sys.executable, "-m", "schemas.cli", "status", "--redis-url", redis_url],
+        [sys.executable, "-m", "npu_pool.cli", "status", "--redis-url", redis_url],
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert "pools disagree" in shown.stdout and "the strictest holds" in shown.stdout
     as_json = subprocess.run(
-        [sys.executable, "-m", "schemas.cli", "status", "--json", "--redis-url", redis_url],
+        [sys.executable, "-m", "npu_pool.cli", "status", "--json", "--redis-url", redis_url],
         capture_output=True,
         text=True,
         timeout=60,

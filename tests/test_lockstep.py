@@ -11,8 +11,8 @@ import torch
 from batcher.dispatch import rank_plans
 from batcher.intake import Tracked
 from batcher.scheduler import PlannerConfig, PoolState, Sequence, finish, plan_step
-from npu_worker.loader import load_model
-from npu_worker.presets import resolve_model_dir
+from npu_worker.models.loader import load_model
+from npu_worker.models.presets import resolve_model_dir
 from npu_worker.runner import LaunchRunner
 from schemas.config import Settings
 from schemas.messages import GenerateRequest, SamplingParams

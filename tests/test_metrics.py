@@ -86,7 +86,7 @@ def test_status_watch_shows_a_live_view_until_interrupted(
     start_pool(ranks=1)
     client.generate(prompt="warm", max_tokens=8, timeout_s=60)
     watcher = subprocess.Popen(
-        [sys.executable, "-m", "schemas.cli", "status", "--watch", "--interval", "0.2"],
+        [sys.executable, "-m", "npu_pool.cli", "status", "--watch", "--interval", "0.2"],
         env=dict(os.environ, REDIS_URL=redis_url),
         stdout=subprocess.PIPE,
         text=True,

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from npu_worker.devices import resolve_device
-from npu_worker.loader import load_model
-from npu_worker.model_config import UnsupportedModel
-from npu_worker.output import OutputProcessor
-from npu_worker.records import StepRecord, TokenRow
-from npu_worker.tiny import ensure_tiny_model
+from npu_worker.models.config import UnsupportedModel
+from npu_worker.models.loader import load_model
+from npu_worker.models.tiny import ensure_tiny_model
+from npu_worker.output.processor import OutputProcessor
+from npu_worker.output.records import StepRecord, TokenRow
 from schemas.config import Settings
 from schemas.control import NewRequest
 from schemas.messages import SamplingParams
@@ -120,7 +120,7 @@ def test_kernel_benchmark_reports_every_launch_shape(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "schemas.cli",
+            "npu_pool.cli",
             "bench",
             "--kernels",
             "--iters",

@@ -10,10 +10,10 @@ from collections import Counter
 import pytest
 import torch
 
-from npu_worker.loader import LoadedModel, load_model
-from npu_worker.model import LaunchInputs
+from npu_worker.models.launch import LaunchInputs
+from npu_worker.models.loader import LoadedModel, load_model
+from npu_worker.models.presets import resolve_model_dir
 from npu_worker.mtp import accept_drafts
-from npu_worker.presets import resolve_model_dir
 from npu_worker.runner import LaunchRunner
 from npu_worker.sampler import sampling_rows
 from producer.client import Client

@@ -11,7 +11,7 @@ import signal
 import pytest
 
 import npu_worker.engine as engine_module
-from npu_worker.stops import StopStrings
+from npu_worker.output.stops import StopStrings
 from producer.client import Client
 from producer.status import collect_status
 from schemas.config import Settings

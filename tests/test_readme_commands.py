@@ -23,8 +23,8 @@ from pathlib import Path
 
 import httpx
 
+from npu_pool.embedded import EmbeddedRedis
 from producer.client import Client
-from producer.embedded import EmbeddedRedis
 from producer.lookup import find_request
 from tests.conftest import _free_port
 from tests.helpers import check_stream, wait_until

@@ -17,7 +17,12 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer, pre_tokenizers
 
-from npu_worker.imported import SMOLLM2_INSTALL, ensure_smollm2, smollm2_available, smollm2_gguf
+from npu_worker.models.imported import (
+    SMOLLM2_INSTALL,
+    ensure_smollm2,
+    smollm2_available,
+    smollm2_gguf,
+)
 from producer.client import Client
 from tests.helpers import TIE_TOLERANCE, check_stream
 from tests.reference import ReferenceCompletion, first_divergence
@@ -135,7 +140,7 @@ def test_pool_answers_with_the_greedy_tokens_of_transformers_on_the_same_gguf(
     # `submit --chat` sends the same single user turn; it stops at the model's EOS
     command = ["submit", "--chat", QUESTIONS[0], "--max-tokens", "20", "--json"]
     done = subprocess.run(
-        [sys.executable, "-m", "schemas.cli", *command],
+        [sys.executable, "-m", "npu_pool.cli", *command],
         env=dict(os.environ, REDIS_URL=redis_url),
         capture_output=True,
         text=True,
@@ -149,7 +154,7 @@ def test_pool_answers_with_the_greedy_tokens_of_transformers_on_the_same_gguf(
 
 def test_demo_answers_chat_questions_with_smollm2_and_exits_cleanly() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "schemas.cli", "demo", "--requests", "2", "--max-tokens", "12"],
+        [sys.executable, "-m", "npu_pool.cli", "demo", "--requests", "2", "--max-tokens", "12"],
         env=dict(os.environ, COLUMNS="160"),
         capture_output=True,
         text=True,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from npu_worker.stops import StopStrings
+from npu_worker.output.stops import StopStrings
 
 
 def stream(pieces: list[str], stops: list[str]) -> tuple[str, bool]:

@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from npu_worker.tiny import ensure_tiny_model
+from npu_worker.models.tiny import ensure_tiny_model
 from producer.client import Client, PoolFailed
 from tests.helpers import wait_until
 
 
 def run_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "schemas.cli", *args],
+        [sys.executable, "-m", "npu_pool.cli", *args],
         env=env,
         capture_output=True,
         text=True,
@@ -34,7 +34,7 @@ def test_up_serves_submit_and_status_on_its_embedded_redis_then_stops_cleanly(tm
         [
             sys.executable,
             "-m",
-            "schemas.cli",
+            "npu_pool.cli",
             "up",
             "--ranks",
             "2",
@@ -87,7 +87,7 @@ def test_up_serves_submit_and_status_on_its_embedded_redis_then_stops_cleanly(tm
 
 def start_up(env: dict[str, str], *flags: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "schemas.cli", "up", "--device", "cpu", "--threads-per-rank", "1"]
+        [sys.executable, "-m", "npu_pool.cli", "up", "--device", "cpu", "--threads-per-rank", "1"]
         + list(flags),
         env=env,
         stdout=subprocess.PIPE,

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from npu_worker.tiny import ensure_tiny_model
-from producer import bench
+from bench import serve as bench
+from npu_worker.models.tiny import ensure_tiny_model
 from producer.client import Client
 from tests.helpers import TIE_TOLERANCE, check_stream, random_prompt
 from tests.reference import first_divergence

@@ -17,8 +17,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from producer.client import AsyncClient, Client
-from producer.demo_workload import (
+from npu_pool.demo_workload import (
     DemoRequest,
     default_max_tokens,
     default_num_requests,
@@ -26,8 +25,9 @@ from producer.demo_workload import (
     demo_model,
     demo_requests,
 )
-from producer.embedded import DataDirInUse, EmbeddedRedis
-from producer.launcher import PoolProcesses
+from npu_pool.embedded import DataDirInUse, EmbeddedRedis
+from npu_pool.launcher import PoolProcesses
+from producer.client import AsyncClient, Client
 from producer.status import PoolFailed, pool_status
 from producer.status_view import wait_ready_live
 from schemas.config import Settings, add_settings_flags, cache_dir, settings_from_args

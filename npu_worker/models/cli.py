@@ -9,7 +9,7 @@ from pathlib import Path
 
 from rich.progress import Progress
 
-from npu_worker.model_config import UnsupportedModel
+from npu_worker.models.config import UnsupportedModel
 
 
 def main(argv: list[str]) -> int:
@@ -32,8 +32,8 @@ def main(argv: list[str]) -> int:
 
 def import_main(gguf: Path, out: Path | None) -> int:
     """Import `gguf` to `out` (or the cache) with a progress bar; print the directory."""
-    from npu_worker.gguf_import import import_gguf
-    from npu_worker.imported import ensure_imported
+    from npu_worker.models.gguf_import import import_gguf
+    from npu_worker.models.imported import ensure_imported
 
     started = time.monotonic()
     with Progress(transient=True) as bars:

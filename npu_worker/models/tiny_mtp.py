@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
-from npu_worker.model import CausalLM, LaunchInputs
-from npu_worker.model_config import ModelConfig
+from npu_worker.models.config import ModelConfig
+from npu_worker.models.launch import LaunchInputs
+from npu_worker.models.llama import CausalLM
 from npu_worker.runner import LaunchRunner
 from npu_worker.startup import ReportProgress, no_progress
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from producer.loadgen import OneRequest, Trace, Workload, drive, summarise
+from bench.loadgen import OneRequest, Trace, Workload, drive, summarise
 
 HEALTH_TIMEOUT_S = 60.0
 
@@ -106,7 +106,7 @@ def start_gateway(redis_url: str, namespace: str, log_path: Path) -> GatewayProc
         port = int(sock.getsockname()[1])
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "schemas.cli", "gateway", "--port", str(port)]
+            [sys.executable, "-m", "npu_pool.cli", "gateway", "--port", str(port)]
             + ["--redis-url", redis_url, "--namespace", namespace],
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -15,8 +15,8 @@ from typing import IO
 
 import redis
 
+from npu_pool.extras import MissingExtra
 from schemas.config import cache_dir, redis_record_path
-from schemas.extras import MissingExtra
 
 
 def find_redis_server() -> str:

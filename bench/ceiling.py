@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from producer.loadgen import Workload
+from bench.loadgen import Workload
 from schemas.config import Settings
 
 

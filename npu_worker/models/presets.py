@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from npu_worker.loader import LoadedModel, load_model
-from npu_worker.model_config import UnsupportedModel
+from npu_worker.models.config import UnsupportedModel
+from npu_worker.models.loader import LoadedModel, load_model
 from npu_worker.startup import ReportProgress, no_progress
 from schemas.config import Settings
 
@@ -15,16 +15,16 @@ def resolve_model_dir(model: str, progress: ReportProgress = no_progress) -> Pat
     """A preset (`tiny`, `small`, `smollm2`) or a `.gguf` file is made a model directory once,
     in the cache; anything else is a local directory."""
     if model in ("tiny", "small"):
-        from npu_worker.tiny import ensure_preset
+        from npu_worker.models.tiny import ensure_preset
 
         return ensure_preset(model, progress=progress)
     if model == "smollm2":
-        from npu_worker.imported import ensure_smollm2
+        from npu_worker.models.imported import ensure_smollm2
 
         return ensure_smollm2(progress=progress)
     path = Path(model).expanduser()
     if path.suffix.lower() == ".gguf":
-        from npu_worker.imported import ensure_imported
+        from npu_worker.models.imported import ensure_imported
 
         return ensure_imported(path, progress=progress)
     if not path.is_dir():

@@ -6,25 +6,25 @@ import importlib
 import importlib.metadata
 import sys
 
-from schemas.extras import COMMAND_EXTRAS, MissingExtra, extra_for, require
+from npu_pool.extras import COMMAND_EXTRAS, MissingExtra, extra_for, require
 
 # subcommand -> (module, function, one-line help); modules load only when called,
 # so `npu-pool submit` never imports torch.
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "up": (
-        "producer.launcher",
+        "npu_pool.launcher",
         "up_main",
         "start a pool (embedded Redis when no URL) and supervise it",
     ),
-    "demo": ("producer.demo", "main", "start a pool, stream concurrent requests live, summarise"),
+    "demo": ("npu_pool.demo", "main", "start a pool, stream concurrent requests live, summarise"),
     "batcher": ("batcher.service", "main", "run one pool's batcher"),
     "worker": ("npu_worker.service", "main", "run one worker rank"),
     "submit": ("producer.cli", "submit_main", "submit a request and print or stream its result"),
     "cancel": ("producer.cli", "cancel_main", "cancel requests by id"),
     "status": ("producer.cli", "status_main", "show pools, ranks and the queue"),
-    "batch": ("producer.batch_cli", "main", "offline batch jobs through RQ"),
-    "bench": ("producer.bench", "main", "benchmarks: --kernels for the launch microbenchmark"),
-    "models": ("npu_worker.models_cli", "main", "models import FILE.gguf: a model directory"),
+    "batch": ("producer.batch.cli", "main", "offline batch jobs through RQ"),
+    "bench": ("bench.serve", "main", "benchmarks: --kernels for the launch microbenchmark"),
+    "models": ("npu_worker.models.cli", "main", "models import FILE.gguf: a model directory"),
     "gateway": (
         "producer.gateway.cli",
         "main",

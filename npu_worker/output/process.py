@@ -19,8 +19,8 @@ from typing import Any
 import redis
 from tokenizers import Tokenizer
 
-from npu_worker.output import OutputProcessor, StepOutput
-from npu_worker.records import Feedback, StepRecord
+from npu_worker.output.processor import OutputProcessor, StepOutput
+from npu_worker.output.records import Feedback, StepRecord
 from schemas.config import Settings
 from schemas.connection import connect
 from schemas.control import RequestOutcome

@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from npu_worker.model import CausalLM
-from npu_worker.model_config import ModelConfig, UnsupportedModel
+from npu_worker.models.config import ModelConfig, UnsupportedModel
+from npu_worker.models.llama import CausalLM
 
 DTYPES = {
     "float32": torch.float32,

@@ -1,6 +1,6 @@
 """A rank's output processing: step records in, result chunks and the step result out.
 
-It runs in the rank's output process (npu_worker/publisher.py), so detokenizing, stop
+It runs in the rank's output process (process.py), so detokenizing, stop
 strings, chunk encoding and publishing never hold the GIL against the launches. It keeps
 each request's streaming detokenizer, stop-string state and chunk counters by slot, ends
 the requests whose text hits a stop string (tokens after it never reach the stream) and
@@ -17,8 +17,8 @@ import msgpack
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from npu_worker.records import StepRecord, TokenRow
-from npu_worker.stops import StopStrings
+from npu_worker.output.records import StepRecord, TokenRow
+from npu_worker.output.stops import StopStrings
 from schemas.control import PREEMPTED, NewRequest, RequestOutcome, SlotStop, StepResult
 from schemas.messages import SCHEMA_VERSION
 

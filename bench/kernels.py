@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from npu_worker.presets import load_for
+from npu_worker.models.presets import load_for
 from npu_worker.runner import LaunchRunner
 from schemas.config import Settings, add_settings_flags, settings_from_args
 

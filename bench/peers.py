@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from producer.loadgen import Workload
+from bench.loadgen import Workload
 from schemas.config import Settings
 
 
@@ -24,14 +24,14 @@ def worker_threads(settings: Settings) -> int:
 
 
 def kernel_ceiling(settings: Settings) -> dict[str, Any]:
-    """The same launches back to back in a process of their own (`npu_worker.kernel_bench`)."""
+    """The same launches back to back in a process of their own (`bench.kernels`)."""
     out = Path(tempfile.mkdtemp()) / "kernels.json"
     flags = [a for a in settings.service_args() if a != "--mtp"] + ["--no-mtp"]
     subprocess.run(
         [
             sys.executable,
             "-m",
-            "npu_worker.kernel_bench",
+            "bench.kernels",
             "--json",
             str(out),
             "--iters",
@@ -69,7 +69,7 @@ def rq_peer(
             [
                 sys.executable,
                 "-m",
-                "npu_worker.peers",
+                "bench.hf_peer",
                 "rq-worker",
                 "--redis-url",
                 url,
@@ -84,13 +84,13 @@ def rq_peer(
         for _ in range(settings.ranks)
     ]
     try:
-        warm = queue.enqueue("npu_worker.peers.rq_generate", model_dir, [5, 6], 2)
+        warm = queue.enqueue("bench.hf_peer.rq_generate", model_dir, [5, 6], 2)
         _wait_jobs([warm], timeout_s=600)
         workload = Workload(num_requests, tuple(args.prompt_len), tuple(args.output_len), seed=0)
         started = time.monotonic()
         jobs = [
             queue.enqueue(
-                "npu_worker.peers.rq_generate", model_dir, prompt, max_tokens, job_timeout=3600
+                "bench.hf_peer.rq_generate", model_dir, prompt, max_tokens, job_timeout=3600
             )
             for prompt, max_tokens in workload.requests()
         ]
@@ -128,7 +128,7 @@ def offline_peer(settings: Settings, args: argparse.Namespace) -> dict[str, Any]
         [
             sys.executable,
             "-m",
-            "npu_worker.peers",
+            "bench.hf_peer",
             "offline",
             "--model",
             settings.model,

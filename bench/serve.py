@@ -24,24 +24,24 @@ from typing import Any
 
 from rich.console import Console
 
-from producer.bench_ceiling import burst_ideal_ms, workload_ceiling
-from producer.bench_http import (
+from bench.ceiling import burst_ideal_ms, workload_ceiling
+from bench.http_load import (
     GatewayProcess,
     http_level,
     print_http,
     run_http_workload,
     start_gateway,
 )
-from producer.bench_peers import kernel_ceiling, offline_peer, rq_peer, worker_threads
-from producer.bench_report import plot, print_report, ratios
-from producer.bench_vllm import burst_warm_up, burst_workload, vllm_peer
+from bench.loadgen import Trace, Workload, drive, redis_requests, run_workload, summarise
+from bench.peers import kernel_ceiling, offline_peer, rq_peer, worker_threads
+from bench.report import plot, print_report, ratios
+from bench.vllm_bench import burst_warm_up, burst_workload, vllm_peer
+from bench.vllm_env import VllmPeer, VllmUnavailable, check_vllm_peer
+from npu_pool.embedded import EmbeddedRedis
+from npu_pool.launcher import PoolProcesses
 from producer.client import Client
-from producer.embedded import EmbeddedRedis
-from producer.launcher import PoolProcesses
-from producer.loadgen import Trace, Workload, drive, redis_requests, run_workload, summarise
 from producer.status import PoolFailed, pool_status
 from producer.status_view import wait_ready_live
-from producer.vllm_env import VllmPeer, VllmUnavailable, check_vllm_peer
 from schemas.config import Settings, add_settings_flags, settings_from_args
 
 
@@ -49,7 +49,7 @@ def main(argv: list[str]) -> int:
     """Run the benchmark and print the report; `--kernels` runs the microbenchmark alone."""
     if "--kernels" in argv:
         rest = [a for a in argv if a != "--kernels"]
-        return subprocess.call([sys.executable, "-m", "npu_worker.kernel_bench", *rest])
+        return subprocess.call([sys.executable, "-m", "bench.kernels", *rest])
     parser = argparse.ArgumentParser(
         prog="npu-pool bench",
         description=__doc__,
@@ -290,7 +290,7 @@ def _planner_us() -> float:
         [
             sys.executable,
             "-c",
-            "from batcher.planbench import microseconds_per_step as m; print(m())",
+            "from bench.planner import microseconds_per_step as m; print(m())",
         ],
         check=True,
         capture_output=True,

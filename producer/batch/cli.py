@@ -35,7 +35,7 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rq import SimpleWorker
 
-from producer.batch import BatchError, BatchInfo, hand_back_lapsed, queue_of, submit
+from producer.batch.jobs import BatchError, BatchInfo, hand_back_lapsed, queue_of, submit
 from producer.client import Client
 from schemas.connection import connect
 from schemas.keys import Keys

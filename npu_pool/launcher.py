@@ -17,11 +17,11 @@ from typing import IO
 
 from rich.console import Console
 
-from producer.embedded import DataDirInUse, EmbeddedRedis
+from npu_pool.embedded import DataDirInUse, EmbeddedRedis
+from npu_pool.extras import require
 from producer.status import PoolFailed, ready_pool
 from schemas.config import EXIT_FAILED, Settings, add_settings_flags, settings_from_args
 from schemas.connection import connect
-from schemas.extras import require
 from schemas.keys import Keys
 
 log = logging.getLogger("npu_pool.up")
@@ -52,7 +52,7 @@ class PoolProcesses:
         self.env = dict(os.environ, REDIS_URL=redis_url, NPUPOOL_REDIS_URL=redis_url)
         self.log_dir = log_dir
         flags = settings.service_args()
-        command = [sys.executable, "-m", "schemas.cli"]
+        command = [sys.executable, "-m", "npu_pool.cli"]
         self.children = [Child("batcher", [*command, "batcher", *flags])]
         self.children += [
             Child(f"rank{r}", [*command, "worker", "--rank", str(r), *flags])

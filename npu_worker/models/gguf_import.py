@@ -4,7 +4,7 @@ The weights are dequantized to float32 with the `gguf` package's numpy kernels, 
 from llama.cpp's tensor names to Hugging Face's, and the Q/K rows llama.cpp permutes for
 its interleaved RoPE are put back in rotate-half order. The hyper-parameters come from the
 GGUF metadata (`config.json`), the tokenizer from its vocabulary and merges
-(`tokenizer.json`, see `npu_worker/gguf_tokenizer.py`), the chat template and special
+(`tokenizer.json`, see `gguf_tokenizer.py`), the chat template and special
 tokens into `tokenizer_config.json`. The result loads like any other model directory.
 """
 
@@ -21,7 +21,9 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from npu_worker.model_config import UnsupportedModel
+from npu_worker.models.config import UnsupportedModel
+from npu_worker.models.gguf_reader import metadata, read_gguf
+from npu_worker.models.gguf_tokenizer import build_tokenizer, tokenizer_config
 from npu_worker.startup import ReportProgress, no_progress
 
 # GGUF `general.architecture` -> (Hugging Face class, whether llama.cpp permuted Q/K rows)
@@ -47,24 +49,6 @@ LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
-
-
-def read_gguf(path: Path) -> Any:
-    """The file opened with `gguf`'s reader (memory-mapped); raises UnsupportedModel."""
-    from gguf import GGUFReader
-
-    if not path.is_file():
-        raise UnsupportedModel(f"GGUF file {path} does not exist")
-    try:
-        return GGUFReader(str(path))
-    except (ValueError, OSError) as exc:
-        raise UnsupportedModel(f"{path} is not a readable GGUF file: {exc}") from exc
-
-
-def metadata(reader: Any, key: str, default: Any = None) -> Any:
-    """One metadata value (a number, string, bool or list), or `default` when absent."""
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
 
 
 def hf_config(reader: Any) -> dict[str, Any]:
@@ -210,8 +194,6 @@ def import_gguf(path: Path, out: Path, progress: ReportProgress = no_progress) -
 
 def write_tokenizer_files(reader: Any, config: dict[str, Any], out: Path) -> None:
     """tokenizer.json, tokenizer_config.json and generation_config.json (EOS and EOT ids)."""
-    from npu_worker.gguf_tokenizer import build_tokenizer, tokenizer_config
-
     build_tokenizer(reader).save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(reader), indent=2))
     ends = (config["eos_token_id"], metadata(reader, "tokenizer.ggml.eot_token_id"))

@@ -1,0 +1,1 @@
+"""Benchmarks: the serving bench, its report, the load generator, ceilings and peers."""

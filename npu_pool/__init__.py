@@ -1,0 +1,1 @@
+"""The front door: the `npu-pool` dispatcher, extras, the launcher (up, demo, embedded Redis)."""

@@ -1,0 +1,78 @@
+"""What every architecture's model takes and returns: one fixed-shape launch's inputs, its
+outputs, and the static KV cache it reads and writes (docs/architecture.md §2)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from npu_worker.models.config import ModelConfig
+
+
+@dataclass(slots=True)
+class LaunchInputs:
+    """One launch at a fixed shape [B, S].
+
+    Rows read their cache in place from slots [window_start, window_start + B) when
+    `window_start` is set (row i is slot window_start + i), else gathered by `slot_ids`.
+    Only the first `span` cache positions are read; later ones are masked by position anyway.
+
+    A *packed* launch (B = 1) carries several requests' segments back to back: token i
+    belongs to segment `token_segments[i]`, whose request holds slot `segment_slots[j]`, and
+    sees only that slot's keys up to its own position (causal within its own request).
+    Eager backends also pass `packed_keys`: the slot, position and segment of exactly the
+    keys the segments see, so attention spans their own tokens rather than every segment's
+    whole `span`; graph backends, which need fixed shapes, lay whole spans side by side.
+    """
+
+    input_ids: torch.Tensor  # [B, S]
+    positions: torch.Tensor  # [B, S], where each token's K/V is written and which keys it sees
+    slot_ids: torch.Tensor  # [B]
+    logit_index: torch.Tensor  # [B, K], the positions within S whose logits are returned
+    span: int
+    window_start: int | None
+    segment_slots: torch.Tensor | None = None  # [segments], packed launches only
+    token_segments: torch.Tensor | None = None  # [S], packed launches only
+    packed_keys: torch.Tensor | None = None  # [3, K]: key slots, positions, segments (eager)
+
+    @property
+    def packed(self) -> bool:
+        """True for a launch carrying several requests' segments."""
+        return self.segment_slots is not None
+
+
+@dataclass(slots=True)
+class LaunchOutput:
+    """Logits at the requested positions and the final hidden states of every position."""
+
+    logits: torch.Tensor  # [B, K, vocab], float32
+    hidden: torch.Tensor  # [B, S, hidden], after the final norm
+
+
+class KVCache:
+    """Per-layer K and V buffers [slots, kv_heads, positions + 1, head_dim], allocated once.
+
+    The extra last position is scratch: padding rows write there, and no query reads it.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_slots: int,
+        max_kv_len: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        num_layers: int | None = None,
+    ) -> None:
+        shape = (num_slots, config.num_kv_heads, max_kv_len + 1, config.head_dim)
+        layers = config.num_layers if num_layers is None else num_layers
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.num_slots = num_slots
+        self.max_kv_len = max_kv_len
+
+    @property
+    def scratch_position(self) -> int:
+        """The position padding rows write to."""
+        return self.max_kv_len

@@ -1,0 +1,139 @@
+"""The pieces architectures share: RMSNorm, RoPE frequencies and rotation, and attention over
+the static KV cache, where masked positions add exactly zero whatever the span (so a row's
+logits do not depend on its launch: docs/architecture.md §2)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from npu_worker.models.config import ModelConfig
+from npu_worker.models.launch import LaunchInputs
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def cached_keys(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    launch: LaunchInputs,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Write a launch's K/V [B, S, Hkv, D] into one layer's cache [slots, Hkv, positions, D]
+    and return the keys and values its queries attend over, [B, Hkv, span, D], with which
+    of them each query sees, [B, S, span]: the rows' slots read in place (a window of
+    consecutive slots) or gathered, up to the launch's span; packed launches per segment."""
+    if launch.packed:
+        return packed_keys(k_cache, v_cache, k, v, launch)
+    rows = launch.slot_ids[:, None]
+    k_cache[rows, :, launch.positions] = k.to(k_cache.dtype)
+    v_cache[rows, :, launch.positions] = v.to(v_cache.dtype)
+    if launch.window_start is not None:
+        window = slice(launch.window_start, launch.window_start + k.shape[0])
+        keys = k_cache[window, :, : launch.span]
+        values = v_cache[window, :, : launch.span]
+    else:
+        keys = k_cache[launch.slot_ids, :, : launch.span]
+        values = v_cache[launch.slot_ids, :, : launch.span]
+    return keys, values, causal_mask(launch.positions, launch.span)
+
+
+def causal_mask(positions: torch.Tensor, span: int) -> torch.Tensor:
+    """[B, S, span]: each token sees its row's keys up to its own position."""
+    key_positions = torch.arange(span, device=positions.device)
+    return key_positions[None, None, :] <= positions[:, :, None]
+
+
+def packed_keys(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    launch: LaunchInputs,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Write a packed launch's K/V into each token's own slot, then lay every segment's
+    slot side by side as one row of keys, visible only to that segment's tokens."""
+    assert launch.segment_slots is not None and launch.token_segments is not None
+    segments, span = launch.segment_slots, launch.span
+    token_slots = segments[launch.token_segments]
+    positions = launch.positions[0]
+    k_cache[token_slots, :, positions] = k[0].to(k_cache.dtype)
+    v_cache[token_slots, :, positions] = v[0].to(v_cache.dtype)
+    if launch.packed_keys is not None:  # exactly the keys the segments see
+        key_slots, key_positions, key_segments = launch.packed_keys
+        keys = k_cache[key_slots, :, key_positions].transpose(0, 1)
+        values = v_cache[key_slots, :, key_positions].transpose(0, 1)
+    else:  # every segment's slot over the whole span, side by side (fixed shapes)
+        num_segments, num_kv_heads, head_dim = len(segments), k_cache.shape[1], k_cache.shape[3]
+        keys = k_cache[segments, :, :span].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)
+        values = v_cache[segments, :, :span].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)
+        key_positions = torch.arange(span, device=k.device).repeat(num_segments)
+        key_segments = torch.arange(num_segments, device=k.device).repeat_interleave(span)
+    visible = (key_segments[None, :] == launch.token_segments[:, None]) & (
+        key_positions[None, :] <= positions[:, None]
+    )
+    return keys[None], values[None], visible[None]
+
+
+def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, rotate-half layout; cos/sin are [B, S, 1, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+def attend(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    visible: torch.Tensor,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """Masked attention of q [B, S, H, D] over keys/values [B, Hkv, span, D], where
+    `visible` [B, S, span] says which keys each query sees.
+
+    Query heads are grouped over their shared KV head (no K/V copy for GQA). Masked
+    scores are -inf, so they add exactly zero whatever the span.
+    """
+    batch, seq, num_heads, head_dim = q.shape
+    group = num_heads // num_kv_heads
+    span = keys.shape[2]
+    qg = q.permute(0, 2, 1, 3).reshape(batch, num_kv_heads, group * seq, head_dim)
+    scores = torch.matmul(qg.float(), keys.float().transpose(-1, -2)) * head_dim**-0.5
+    scores = scores.view(batch, num_kv_heads, group, seq, span)
+    scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(batch, num_kv_heads, group * seq, span)
+    out = torch.matmul(probs, values.float()).to(q.dtype)
+    return out.view(batch, num_heads, seq, head_dim).permute(0, 2, 1, 3)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """RoPE inverse frequencies, with `linear` or Llama 3 (`llama3`) scaling applied."""
+    exponents = torch.arange(0, config.head_dim, 2, dtype=torch.int64).float() / config.head_dim
+    inv_freq = 1.0 / (config.rope_theta**exponents)
+    scaling = config.rope_scaling
+    if config.rope_type == "linear":
+        return inv_freq / scaling["factor"]
+    if config.rope_type != "llama3":
+        return inv_freq
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_context / high) & (wavelen <= old_context / low)
+    return torch.where(medium, smoothed, scaled)

@@ -1,0 +1,1 @@
+"""The rank's output process (torch-free): detokenizing, stop strings, publishing."""

@@ -1,0 +1,1 @@
+"""Offline batch jobs through RQ: a JSONL file of requests in, completions out."""
