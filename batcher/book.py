@@ -2,7 +2,8 @@
 
 The book validates entries (dead-lettering or rejecting bad ones), resumes requests after
 what their result streams already hold, ends the ones no rank needs to finish (cancelled,
-timed out, out of budget, already final), and applies what ranks report.
+timed out, out of budget, already final), and applies what ranks report. It owns the
+pool's counters (`PoolCounts`), which outlive its epochs.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import redis
 from tokenizers import Tokenizer
 
 from batcher.chat import ChatTemplate
+from batcher.counts import PoolCounts
 from batcher.durability import Delivery, count_delivery
 from batcher.intake import (
     ModelFacts,
@@ -27,10 +29,10 @@ from batcher.intake import (
     write_dead_letter,
 )
 from batcher.metrics import BatcherMetrics
-from batcher.scheduler import PoolState, finish, stop
+from batcher.scheduler import PoolState, StepPlan, finish, stop
 from schemas.codec import DeadLetter, Rejected, request_id_of
 from schemas.config import Settings
-from schemas.control import SlotStop, StepResult
+from schemas.control import StepResult
 from schemas.keys import FIELD, Keys
 from schemas.messages import ErrorInfo, FinishReason
 from schemas.results import ALREADY_FINAL, APPENDED, ResultWriter, read_published
@@ -39,7 +41,7 @@ log = logging.getLogger("npu_pool.batcher")
 
 
 class RequestBook:
-    """Tracked requests of one pool epoch, with the planner state they live in."""
+    """Tracked requests of the current pool epoch, with the planner state they live in."""
 
     def __init__(
         self,
@@ -47,23 +49,52 @@ class RequestBook:
         keys: Keys,
         settings: Settings,
         state: PoolState,
-        stats: dict[str, int],
         metrics: BatcherMetrics | None = None,
     ) -> None:
         self.metrics = metrics
         self.redis = client
         self.keys = keys
         self.settings = settings
-        self.state = state
-        self.stats = stats
         self.writer = ResultWriter(client, keys)
+        self.counts = PoolCounts()
+        self.limits: dict[str, int] = {"max_queue": settings.max_queue}
+        self.new_epoch(state)
+
+    def new_epoch(self, state: PoolState) -> None:
+        """Forget every request (an epoch resumes them from Redis) and the model: its ranks
+        publish the tokenizer again. Counters and limits carry over."""
+        self.state = state
         self.tracked: dict[str, Tracked] = {}
-        self.pending_stops: dict[int, list[SlotStop]] = {}
         self.order = 0
         self.tokenizer: Tokenizer | None = None
         self.chat: ChatTemplate | None = None
-        self.facts = ModelFacts(vocab_size=0, max_model_len=settings.max_model_len)
-        self.limits: dict[str, int] = {"max_queue": settings.max_queue}
+        self.facts = ModelFacts(vocab_size=0, max_model_len=self.settings.max_model_len)
+
+    def use_model(self, tokenizer: Tokenizer, chat: ChatTemplate | None, vocab_size: int) -> None:
+        """The model the ranks serve: how prompts are tokenized, chats rendered, ids checked."""
+        self.tokenizer, self.chat = tokenizer, chat
+        self.facts = ModelFacts(vocab_size, self.settings.max_model_len)
+
+    def use_limits(self, limits: dict[str, int]) -> None:
+        """The namespace's limits, as published (the bound excess entries are ended past)."""
+        self.limits = limits
+
+    def resume_own(self, deliveries: list[Delivery]) -> None:
+        """Entries this pool held when its epoch began: resume each after what it published."""
+        self.counts.recovered += len(deliveries)
+        self.accept(deliveries, resume=True)
+
+    def claim(self, deliveries: list[Delivery]) -> None:
+        """Entries claimed from pools that are gone: resume each after what it published."""
+        self.counts.claimed += len(deliveries)
+        self.accept(deliveries, resume=True)
+
+    def dispatched(self, plan: StepPlan) -> None:
+        """A step went out: count it and the requests it admitted."""
+        self.counts.steps += 1
+        self.counts.admitted += len(plan.admitted)
+        if self.metrics is not None:
+            self.metrics.admitted(plan.admitted, self.tracked)
 
     def accept(self, deliveries: list[Delivery], resume: bool) -> None:
         """Validate entries, settle or end the ones that need no rank, track the rest."""
@@ -84,17 +115,17 @@ class RequestBook:
                 )
             except DeadLetter as exc:
                 write_dead_letter(pipe, self.keys, d.stream, d.entry_id, d.fields, str(exc))
-                self.stats["dead"] += 1
+                self.counts.dead += 1
                 log.warning("dead letter %s: %s", d.entry_id, exc)
                 continue
             except Rejected as exc:
                 reject(pipe, self.writer, d.stream, d.entry_id, exc, self.settings.result_ttl_s)
-                self.stats["rejected"] += 1
+                self.counts.rejected += 1
                 continue
             if request.id in self.tracked:
                 reason = f"field `id`: {request.id!r} duplicates a request in progress"
                 write_dead_letter(pipe, self.keys, d.stream, d.entry_id, d.fields, reason)
-                self.stats["dead"] += 1
+                self.counts.dead += 1
                 continue
             self.order += 1
             payload = d.fields.get(FIELD.encode(), b"")
@@ -116,7 +147,7 @@ class RequestBook:
                 tracked.rank_deaths += 1
                 count_delivery(pipe, self.settings.pool, tracked.stream, tracked.entry_id)
             pipe.execute()
-        self.stats["recovered"] += len(lost)
+        self.counts.recovered += len(lost)
         self.enqueue(lost, resume=True)
 
     def enqueue(self, requests: list[Tracked], resume: bool) -> None:
@@ -150,7 +181,7 @@ class RequestBook:
                     write_dead_letter(
                         pipe, self.keys, tracked.stream, tracked.entry_id, fields, error.message
                     )
-                    self.stats["dead"] += 1
+                    self.counts.dead += 1
                 self.forget(tracked, pipe)
                 continue
             self.state.waiting.append(tracked.seq)
@@ -187,7 +218,7 @@ class RequestBook:
         if self.metrics is not None:
             self.metrics.forget(tracked.request_id)
         settle(pipe, tracked.stream, tracked.entry_id)
-        self.stats["finished"] += 1
+        self.counts.finished += 1
 
     def stop(self, request_id: str, reason: FinishReason) -> None:
         """End a request: at once if no rank holds it, else by its rank's next step."""
@@ -195,17 +226,8 @@ class RequestBook:
         if tracked is None or tracked.stop_reason is not None:
             return
         tracked.stop_reason = reason
-        seq = stop(self.state, request_id)
-        if seq is not None:
-            self.pending_stops.setdefault(seq.rank, []).append(
-                SlotStop(
-                    slot=seq.slot,
-                    request_id=request_id,
-                    finish_reason=reason.value,
-                    admission=tracked.admission,
-                )
-            )
-            return
+        if stop(self.state, request_id, reason.value) is not None:
+            return  # planned: the next step tells its rank
         pipe = self.redis.pipeline(transaction=False)
         end_by_batcher(pipe, self.writer, tracked, reason, self.settings.result_ttl_s)
         self.forget(tracked, pipe)
@@ -223,7 +245,8 @@ class RequestBook:
             self.stop(request_id, FinishReason.TIMEOUT)
 
     def apply(self, result: StepResult, pipe: redis.client.Pipeline) -> None:
-        """Count a rank's tokens, settle what finished, resume what it lost."""
+        """Count a rank's step and tokens, settle what finished, resume what it lost."""
+        self.counts.add_step(result.counts)
         lost: list[Tracked] = []
         released: list[Tracked] = []
         for outcome in result.outcomes:
@@ -238,11 +261,11 @@ class RequestBook:
             if self.metrics is not None:
                 self.metrics.tokens(tracked, outcome.num_new_tokens)
             tracked.num_published += outcome.num_new_tokens
-            self.stats["tokens"] += outcome.num_new_tokens
+            self.counts.tokens += outcome.num_new_tokens
             if outcome.lost or outcome.released:
                 seq = finish(self.state, outcome.request_id)
                 (released if outcome.released else lost).append(tracked)
-                self.stats["preempted"] += int(seq is not None and seq.preempting)
+                self.counts.preempted += int(seq is not None and seq.preempting)
             elif outcome.finish_reason is not None:
                 self.forget(tracked, pipe)
         self.requeue(lost + released)
@@ -265,9 +288,9 @@ class RequestBook:
         for d, reply in zip(ended, replies):
             if reply in (APPENDED, ALREADY_FINAL):  # else a rank serves it already: keep it
                 settle(pipe, d.stream, d.entry_id)
-                self.stats["rejected"] += 1
+                self.counts.rejected += 1
         for d in excess:
             if d not in ended:  # no usable id: nobody can wait for it
                 write_dead_letter(pipe, self.keys, d.stream, d.entry_id, d.fields, "no usable `id`")
-                self.stats["dead"] += 1
+                self.counts.dead += 1
         pipe.execute()

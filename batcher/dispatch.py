@@ -5,13 +5,20 @@ from __future__ import annotations
 from batcher.intake import Tracked
 from batcher.scheduler import StepPlan
 from schemas.config import Settings
-from schemas.control import NewRequest, PrefillChunk, RankStepPlan
+from schemas.control import NewRequest, PrefillChunk, RankStepPlan, SlotStop
 
 
 def rank_plans(
-    plan: StepPlan, tracked: dict[str, Tracked], epoch: int, step: int, settings: Settings
+    plan: StepPlan,
+    tracked: dict[str, Tracked],
+    epoch: int,
+    step: int,
+    settings: Settings,
+    ranks: set[int] | None = None,
 ) -> list[RankStepPlan]:
-    """Per-rank messages; a request's prompt and sampling travel once, when it is admitted."""
+    """Per-rank messages for the live `ranks` (None: those the plan names); a request's
+    prompt and sampling travel once, when it is admitted. A plan that runs nothing and
+    admits nothing (the fence that opens an epoch, or stops alone) goes to every live rank."""
     plans: dict[int, RankStepPlan] = {}
 
     def for_rank(rank: int) -> RankStepPlan:
@@ -42,4 +49,16 @@ def rank_plans(
             [PrefillChunk(slot=c.slot, start=c.start, num_tokens=c.num_tokens) for c in launch]
             for launch in launches
         )
-    return [plans[rank] for rank in sorted(plans)]
+    for stop in plan.stops:
+        for_rank(stop.seq.rank).stops.append(
+            SlotStop(
+                slot=stop.seq.slot,
+                request_id=stop.seq.request_id,
+                finish_reason=stop.reason,
+                admission=tracked[stop.seq.request_id].admission,
+            )
+        )
+    if ranks is not None and plan.is_empty and not plan.admitted:
+        for rank in ranks:
+            for_rank(rank)
+    return [plans[r] for r in sorted(plans) if ranks is None or r in ranks]

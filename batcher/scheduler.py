@@ -1,13 +1,16 @@
 """The step planner (docs/architecture.md §3): a pure function of pool state and config,
 no I/O, no torch.
 
-`plan_step` admits waiting requests and packs decode rows and prefill chunks onto the
-fixed launches; `finish`, `stop`, `lose_rank` and `join_rank` apply what happened since.
+`plan_step` admits waiting requests, packs decode rows and prefill chunks onto the fixed
+launches, and lists the running requests their ranks must end (stopped or preempted);
+`finish`, `stop`, `lose_rank` and `join_rank` apply what happened since.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from schemas.control import PREEMPTED
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,11 +102,21 @@ class PrefillWork:
 
 
 @dataclass(slots=True)
+class PlannedStop:
+    """A running request its rank must end by this step: why (a finish reason, or
+    `preempted`: give the slot back and resume later)."""
+
+    seq: Sequence
+    reason: str
+
+
+@dataclass(slots=True)
 class StepPlan:
     """A whole pool's step: launch k of `decode_launches` maps rank -> its rows' slots."""
 
     admitted: list[Sequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    stops: list[PlannedStop] = field(default_factory=list)  # the preempted ones included
     decode_launches: list[dict[int, list[Sequence]]] = field(default_factory=list)
     prefill: dict[int, list[list[PrefillWork]]] = field(default_factory=dict)  # launches
 
@@ -111,6 +124,11 @@ class StepPlan:
     def is_empty(self) -> bool:
         """True when the step has no launch to run."""
         return not self.decode_launches and not any(self.prefill.values())
+
+    @property
+    def is_idle(self) -> bool:
+        """True when the step would tell no rank anything: no launch, nothing to end."""
+        return self.is_empty and not self.stops and not self.admitted
 
 
 @dataclass(slots=True)
@@ -124,6 +142,7 @@ class PoolState:
     live_ranks: set[int] | None = None  # None: every rank
     next_rank: int = 0
     decode_stalls: dict[int, int] = field(default_factory=dict)  # rank -> steps its decode waited
+    stops: list[PlannedStop] = field(default_factory=list)  # stopped since the last plan
 
     def __post_init__(self) -> None:
         if not self.free_slots:
@@ -154,6 +173,8 @@ def plan_step(state: PoolState) -> StepPlan:
     backlog exceeds one step, for at most `decode_stall_steps` steps in a row), then prefill
     chunks. A full pool always decodes: finishing requests is what lets queued ones in."""
     plan = StepPlan(admitted=_admit(state), preempted=_preempt(state))
+    plan.stops = state.stops + [PlannedStop(seq, PREEMPTED) for seq in plan.preempted]
+    state.stops = []
     by_rank: dict[int, list[Sequence]] = {r: [] for r in sorted(state.ranks)}
     for seq in state.running.values():
         if seq.rank in by_rank:
@@ -171,6 +192,7 @@ def plan_step(state: PoolState) -> StepPlan:
 
 def finish(state: PoolState, request_id: str) -> Sequence | None:
     """Remove a finished (or cancelled, or failed) request and free its slot."""
+    state.stops = [s for s in state.stops if s.seq.request_id != request_id]
     seq = state.running.pop(request_id, None)
     if seq is None:
         waiting = [s for s in state.waiting if s.request_id == request_id]
@@ -184,11 +206,12 @@ def finish(state: PoolState, request_id: str) -> Sequence | None:
     return seq
 
 
-def stop(state: PoolState, request_id: str) -> Sequence | None:
-    """Plan nothing more for a running request (its rank is told to end it)."""
+def stop(state: PoolState, request_id: str, reason: str) -> Sequence | None:
+    """Plan nothing more for a running request; the next plan tells its rank to end it."""
     seq = state.running.get(request_id)
     if seq is not None:
         seq.stopping = True
+        state.stops.append(PlannedStop(seq, reason))
     return seq
 
 
@@ -196,6 +219,7 @@ def lose_rank(state: PoolState, rank: int) -> list[Sequence]:
     """Take a rank out of planning; returns the requests it held, now out of the pool."""
     state.ranks.discard(rank)
     state.decode_stalls.pop(rank, None)
+    state.stops = [s for s in state.stops if s.seq.rank != rank]
     lost = [s for s in state.running.values() if s.rank == rank]
     for seq in lost:
         del state.running[seq.request_id]

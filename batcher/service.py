@@ -35,9 +35,6 @@ from batcher.durability import (
     live_pools,
     orphaned_pools,
 )
-from batcher.intake import (
-    ModelFacts,
-)
 from batcher.limits import publish_limits, withdraw_limits
 from batcher.metrics import BatcherMetrics
 from batcher.queue import QueueReader
@@ -53,11 +50,13 @@ from batcher.scheduler import (
 from npu_pool.metrics import serve_metrics
 from schemas.config import Settings, add_settings_flags, settings_from_args
 from schemas.connection import connect
-from schemas.control import PREEMPTED, RankStepPlan, SlotStop, StepResult
+from schemas.control import StepResult
 from schemas.keys import Keys
 from schemas.messages import FinishReason
+from schemas.registry import BatcherState, PoolField
 
 log = logging.getLogger("npu_pool.batcher")
+GAUGES = ("running", "waiting", "queue_depth")
 REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 FULL_POOL_POLL_S = 0.02
 
@@ -73,64 +72,50 @@ class Batcher:
         self.instance = uuid.uuid4().hex[:12]
         self.lease_ms = int(settings.rank_timeout_s * 1000)
         self.stopping = False
-        self.stats = {
-            "decode_launches": 0,
-            "padding_rows": 0,
-            "mtp_proposed": 0,
-            "mtp_accepted": 0,
-            "steps": 0,
-            "tokens": 0,
-            "finished": 0,
-            "rejected": 0,
-            "dead": 0,
-            "recovered": 0,
-            "claimed": 0,
-            "admitted": 0,
-            "preempted": 0,
-            "prefill_launches": 0,
-            "prefill_tokens": 0,
-            "rank_exec_us": 0,  # ranks' model threads: in steps, in launches, waiting for plans
-            "rank_launch_us": 0,
-            "rank_idle_us": 0,
-        }
         self.queue_depth = 0
-        self.metrics: BatcherMetrics | None = None
-        self._reset()
-        if settings.metrics_port:
-            self._serve_metrics(settings.metrics_port)
-
-    def _serve_metrics(self, port: int) -> None:
-        self.metrics = self.book.metrics = BatcherMetrics(
-            self.pool,
-            lambda: {
-                **self.stats,
-                "running": len(self.state.running),
-                "waiting": len(self.state.waiting),
-                "queue_depth": self.queue_depth,
-            },
-            gauges={"running", "waiting", "queue_depth"},
+        self.metrics = (
+            BatcherMetrics(self.pool, self._gauges_and_counts, gauges=set(GAUGES))
+            if settings.metrics_port
+            else None
         )
-        serve_metrics(port, self.metrics.registry)
+        self.state = self._new_state()
+        self.book = RequestBook(self.redis, self.keys, settings, self.state, self.metrics)
+        self._reset()
+        if self.metrics is not None:
+            serve_metrics(settings.metrics_port, self.metrics.registry)
+
+    def _gauges_and_counts(self) -> dict[str, float]:
+        return {
+            **self.book.counts.as_dict(),
+            "running": len(self.state.running),
+            "waiting": len(self.state.waiting),
+            "queue_depth": self.queue_depth,
+        }
+
+    def _new_state(self) -> PoolState:
+        s = self.settings
+        config = PlannerConfig(
+            num_ranks=s.ranks,
+            max_num_seqs=s.max_num_seqs,
+            kv_slots_per_rank=s.kv_slots_per_rank,
+            decode_batch=s.decode_batch,
+            prefill_chunk=s.prefill_chunk,
+            prefill_slots=s.prefill_slots,
+            lockstep=s.lockstep,
+            preempt_margin=s.preempt_margin if s.preemption else None,
+            prefill_segments=s.prefill_segments,
+            decode_stall_steps=s.decode_stall_steps,
+        )
+        return PoolState(config, live_ranks=set())
 
     def _reset(self) -> None:
+        """A new epoch's planner state, registry view, queue reader and step channel."""
         s = self.settings
-        self.state = PoolState(
-            PlannerConfig(
-                num_ranks=s.ranks,
-                max_num_seqs=s.max_num_seqs,
-                kv_slots_per_rank=s.kv_slots_per_rank,
-                decode_batch=s.decode_batch,
-                prefill_chunk=s.prefill_chunk,
-                prefill_slots=s.prefill_slots,
-                lockstep=s.lockstep,
-                preempt_margin=s.preempt_margin if s.preemption else None,
-                prefill_segments=s.prefill_segments,
-                decode_stall_steps=s.decode_stall_steps,
-            ),
-            live_ranks=set(),
+        self.state = self._new_state()
+        self.book.new_epoch(self.state)
+        self.registry = RankRegistry(
+            self.redis, self.keys, self.pool, s.ranks, s.rank_timeout_s, s.launch_shapes()
         )
-        self.registry = RankRegistry(self.redis, self.keys, self.pool, s.ranks, s.rank_timeout_s)
-        self.book = RequestBook(self.redis, self.keys, s, self.state, self.stats, self.metrics)
         self.queue = QueueReader(self.redis, self.keys, self.pool, s.priority_aging_s)
         self.channel = StepChannel(
             self.redis, self.keys, self.pool, self.registry, s.max_inflight_steps
@@ -150,7 +135,7 @@ class Batcher:
             while True:
                 if self.stopping and drain_deadline is None:
                     drain_deadline = time.monotonic() + self.settings.drain_timeout_s
-                    self._set_state("draining")
+                    self._set_state(BatcherState.DRAINING)
                     log.info("draining %d running requests", len(self.state.running))
                 if drain_deadline is not None and (
                     not (self.state.running or self.channel.inflight)
@@ -170,7 +155,7 @@ class Batcher:
         """Hand back held entries (drop the lease), mark the pool stopped, disconnect."""
         with contextlib.suppress(redis.RedisError):
             self.redis.delete(self.keys.lease(self.pool))
-            self._set_state("stopped")
+            self._set_state(BatcherState.STOPPED)
             withdraw_limits(self.redis, self.keys, self.pool, live_pools(self.redis, self.keys))
         self.redis.close()
 
@@ -189,7 +174,7 @@ class Batcher:
             self._intake(block_ms=0 if busy else 100)
         while self.channel.room():
             plan = plan_step(self.state)
-            if plan.is_empty and not plan.preempted and not self.book.pending_stops:
+            if plan.is_idle:
                 break
             self._dispatch(plan)
         if self.channel.inflight:
@@ -213,30 +198,29 @@ class Batcher:
         ensure_groups(self.redis, self.keys)
         self._publish_limits()
         pool_key = self.keys.pool(self.pool)
-        self.epoch = int(self.redis.hincrby(pool_key, "epoch", 1))
+        self.epoch = int(self.redis.hincrby(pool_key, PoolField.EPOCH, 1))
         self.channel.open()
         self.redis.sadd(self.keys.pools, self.pool)
         self.redis.hset(
             pool_key,
             mapping={
-                "batcher_pid": os.getpid(),
-                "batcher_host": socket.gethostname(),
-                "ranks": self.settings.ranks,
-                "model": self.settings.model,
-                "max_model_len": self.settings.max_model_len,
-                "started_ms": int(time.time() * 1000),
+                PoolField.BATCHER_PID: os.getpid(),
+                PoolField.BATCHER_HOST: socket.gethostname(),
+                PoolField.RANKS: self.settings.ranks,
+                PoolField.MODEL: self.settings.model,
+                PoolField.MAX_MODEL_LEN: self.settings.max_model_len,
+                PoolField.STARTED_MS: int(time.time() * 1000),
             },
         )
-        self._set_state("starting")
+        self._set_state(BatcherState.STARTING)
         self._wait_for_ranks()
         self._dispatch(StepPlan())  # the fence: ranks drop state of earlier epochs
         while self.channel.inflight and not self.stopping:
             self._collect(block_ms=200)
             self._poll_ranks()
         deliveries = claim_own_pending(self.redis, self.keys, self.pool)
-        self.book.accept(deliveries, resume=True)
-        self.stats["recovered"] += len(deliveries)
-        self._set_state("ready")
+        self.book.resume_own(deliveries)
+        self._set_state(BatcherState.READY)
         log.info(
             "pool %s ready: epoch %d, ranks %s, %d requests resumed",
             self.pool,
@@ -256,7 +240,7 @@ class Batcher:
                 return
             if time.monotonic() - beat >= self.settings.heartbeat_s:
                 beat = time.monotonic()
-                self._set_state("starting")  # alive while its ranks load
+                self._set_state(BatcherState.STARTING)  # alive while its ranks load
             time.sleep(0.1)
         raise SystemExit(0)
 
@@ -264,24 +248,25 @@ class Batcher:
         raw = self.redis.get(self.keys.tokenizer(self.pool))
         if raw is None:
             return False
-        self.book.tokenizer = Tokenizer.from_str(cast(bytes, raw).decode())
+        tokenizer = Tokenizer.from_str(cast(bytes, raw).decode())
         template = self.redis.get(self.keys.chat_template(self.pool))
-        self.book.chat = None
+        chat = None
         if template is not None:
             try:
-                self.book.chat = ChatTemplate.from_json(cast(bytes, template))
+                chat = ChatTemplate.from_json(cast(bytes, template))
             except (ValueError, KeyError) as exc:
                 log.error(
                     "the model's chat template is unusable (%s); chat requests are refused", exc
                 )
-        self.book.facts = ModelFacts(self.registry.vocab_size, self.settings.max_model_len)
+        self.book.use_model(tokenizer, chat, self.registry.vocab_size)
         return True
 
     def _poll_ranks(self) -> None:
         changes = self.registry.poll()
+        for rank, why in changes.refused:
+            log.error("rank %d refused: %s", rank, why)
         for rank in changes.lost:
             log.warning("rank %d lost; moving its requests", rank)
-            self.book.pending_stops.pop(rank, None)
             self.channel.lose_rank(rank)
             lost = lose_rank(self.state, rank)
             self.book.requeue([self.book.tracked[s.request_id] for s in lost], rank_died=True)
@@ -296,8 +281,7 @@ class Batcher:
 
     def _publish_limits(self) -> None:
         live = live_pools(self.redis, self.keys)
-        limits = publish_limits(self.redis, self.keys, self.pool, self.settings, live)
-        self.book.limits = limits
+        self.book.use_limits(publish_limits(self.redis, self.keys, self.pool, self.settings, live))
 
     def _housekeeping(self) -> None:
         self._poll_ranks()
@@ -317,20 +301,22 @@ class Batcher:
             claimed = claim_orphans(self.redis, self.keys, self.pool, self.lease_ms, room)
             if claimed:
                 log.info("claimed %d requests of pools that are gone", len(claimed))
-                self.stats["claimed"] += len(claimed)
-                self.book.accept(claimed, resume=True)
+                self.book.claim(claimed)
         fields: dict[str, int] = {
-            "hb_ms": int(time.time() * 1000),
-            "running": len(self.state.running),
-            "waiting": len(self.state.waiting),
-            **self.stats,
+            PoolField.HEARTBEAT_MS: int(time.time() * 1000),
+            PoolField.RUNNING: len(self.state.running),
+            PoolField.WAITING: len(self.state.waiting),
+            **self.book.counts.as_dict(),
         }
         self.redis.hset(self.keys.pool(self.pool), mapping=fields)  # type: ignore[arg-type]
 
-    def _set_state(self, state: str) -> None:
+    def _set_state(self, state: BatcherState) -> None:
         """Record the pool's state with a heartbeat (a state without one reads unresponsive)."""
         now_ms = int(time.time() * 1000)
-        self.redis.hset(self.keys.pool(self.pool), mapping={"state": state, "hb_ms": now_ms})
+        self.redis.hset(
+            self.keys.pool(self.pool),
+            mapping={PoolField.STATE: state.value, PoolField.HEARTBEAT_MS: now_ms},
+        )
 
     # -- intake ---------------------------------------------------------------------------
 
@@ -361,30 +347,10 @@ class Batcher:
     def _dispatch(self, plan: StepPlan) -> None:
         """Send each live rank its share of the step in one pipelined round trip."""
         self.step += 1
-        plans = rank_plans(plan, self.book.tracked, self.epoch, self.step, self.settings)
-        self.stats["admitted"] += len(plan.admitted)
-        if self.metrics is not None:
-            self.metrics.admitted(plan.admitted, self.book.tracked)
-        by_rank = {p.rank: p for p in plans}
-        fence = plan.is_empty and not plan.admitted
-        for seq in plan.preempted:
-            self.book.pending_stops.setdefault(seq.rank, []).append(
-                SlotStop(
-                    slot=seq.slot,
-                    request_id=seq.request_id,
-                    finish_reason=PREEMPTED,
-                    admission=self.book.tracked[seq.request_id].admission,
-                )
-            )
-        for rank in sorted(self.state.ranks):
-            stops = self.book.pending_stops.pop(rank, [])
-            if rank in by_rank or stops or fence:
-                rank_plan = by_rank.setdefault(
-                    rank, RankStepPlan(epoch=self.epoch, step=self.step, rank=rank)
-                )
-                rank_plan.stops = stops
-        self.channel.send(self.step, by_rank)
-        self.stats["steps"] += 1
+        tracked, ranks = self.book.tracked, self.state.ranks
+        plans = rank_plans(plan, tracked, self.epoch, self.step, self.settings, ranks)
+        self.book.dispatched(plan)
+        self.channel.send(self.step, {p.rank: p for p in plans})
 
     def _collect(self, block_ms: int) -> None:
         """Wait for step results and cancels; apply them."""
@@ -398,16 +364,6 @@ class Batcher:
 
     def _apply(self, result: StepResult, pipe: redis.client.Pipeline) -> None:
         self.book.apply(result, pipe)
-        counts = result.counts
-        self.stats["decode_launches"] += counts.num_decode_launches
-        self.stats["padding_rows"] += counts.num_padding_rows
-        self.stats["mtp_proposed"] += counts.num_draft_proposed
-        self.stats["mtp_accepted"] += counts.num_draft_accepted
-        self.stats["prefill_launches"] += counts.num_prefill_launches
-        self.stats["prefill_tokens"] += counts.num_prefill_tokens
-        self.stats["rank_exec_us"] += int(counts.exec_ms * 1000)
-        self.stats["rank_launch_us"] += int(counts.launch_ms * 1000)
-        self.stats["rank_idle_us"] += int(counts.idle_ms * 1000)
         seconds = self.channel.answered(result)
         if seconds is not None and self.metrics is not None:
             self.metrics.step_seconds.observe(seconds)

@@ -12,6 +12,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -75,9 +76,8 @@ def measure(settings: Settings, iters: int) -> dict[str, Any]:
     loaded = load_for(settings)
     device = loaded.device
     batch, chunk = settings.decode_batch, settings.prefill_chunk
-    runner = LaunchRunner(
-        loaded.model, max(settings.kv_slots_per_rank, batch), settings.max_kv_len, chunk, batch
-    )
+    shapes = settings.launch_shapes()
+    runner = LaunchRunner(loaded.model, replace(shapes, num_slots=max(shapes.num_slots, batch)))
     runner.warm_up()
     prompt = [5] * chunk
     launches: list[dict[str, Any]] = []

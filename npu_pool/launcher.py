@@ -23,6 +23,7 @@ from producer.status import PoolFailed, ready_pool
 from schemas.config import EXIT_FAILED, Settings, add_settings_flags, settings_from_args
 from schemas.connection import connect
 from schemas.keys import Keys
+from schemas.registry import RankField, RankState
 
 log = logging.getLogger("npu_pool.up")
 MAX_BACKOFF_S = 30.0
@@ -71,8 +72,20 @@ class PoolProcesses:
             pipe = client.pipeline(transaction=False)
             for rank in range(self.settings.ranks):
                 key = keys.rank(self.settings.pool, rank)
-                pipe.hdel(key, "reason", "progress", "progress_done", "progress_total")
-                pipe.hset(key, mapping={"state": "starting", "hb_ms": now_ms})
+                pipe.hdel(
+                    key,
+                    RankField.REASON,
+                    RankField.PROGRESS,
+                    RankField.PROGRESS_DONE,
+                    RankField.PROGRESS_TOTAL,
+                )
+                pipe.hset(
+                    key,
+                    mapping={
+                        RankField.STATE: RankState.STARTING.value,
+                        RankField.HEARTBEAT_MS: now_ms,
+                    },
+                )
             pipe.execute()
         finally:
             client.close()

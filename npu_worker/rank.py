@@ -32,6 +32,7 @@ from npu_worker.startup import rank_hash_reporter
 from schemas.config import Settings
 from schemas.connection import connect, last_entry_id
 from schemas.keys import Keys
+from schemas.registry import RankField, RankState
 
 log = logging.getLogger("npu_pool.worker")
 REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
@@ -60,6 +61,7 @@ class Worker:
         self.incarnation = ""
         self.engine: RankEngine | None = None
         self.metrics: RankMetrics | None = None
+        self.refused: str | None = None  # the batcher's reason for refusing this rank
 
     def run(self) -> None:
         """Load, warm up, announce ready, then execute plans until stopped.
@@ -68,15 +70,18 @@ class Worker:
         files, unsupported architecture) marks the rank `failed` with the reason and raises
         RankFailed: its supervisor must not restart it."""
         heartbeat = threading.Thread(target=self._heartbeat_loop, daemon=True)
-        final_state = "stopped"
+        final_state = RankState.STOPPED
         try:
-            self._register("loading")
+            self._register(RankState.LOADING)
             heartbeat.start()
             try:
                 self.engine = self._load()
             except (UnsupportedModel, ValueError) as exc:
-                final_state = "failed"
-                self.redis.hset(self.rank_key, mapping={"state": "failed", "reason": str(exc)})
+                final_state = RankState.FAILED
+                self.redis.hset(
+                    self.rank_key,
+                    mapping={RankField.STATE: final_state.value, RankField.REASON: str(exc)},
+                )
                 raise RankFailed(str(exc)) from exc
             if self.settings.metrics_port:
                 self._serve_metrics(self.engine, self.settings.metrics_port + 1 + self.rank)
@@ -95,15 +100,18 @@ class Worker:
                     log.warning("Redis unavailable (%s); retrying", exc)
                     time.sleep(0.5)
                     self.fenced.set()  # a step may be half published: start afresh
+            if self.refused is not None:
+                final_state = RankState.FAILED
+                raise RankFailed(f"the batcher refused this rank: {self.refused}")
         finally:
             self.stop_event.set()
             if self.plans is not None:
                 self.plans.close()
             if self.output is not None:
                 self.output.close()
-            if final_state == "stopped":
+            if final_state == RankState.STOPPED:
                 with contextlib.suppress(redis.RedisError):
-                    self.redis.hset(self.rank_key, "state", "stopped")
+                    self.redis.hset(self.rank_key, RankField.STATE, final_state.value)
             self.redis.close()
 
     def _serve_metrics(self, engine: RankEngine, port: int) -> None:
@@ -129,7 +137,7 @@ class Worker:
         self.fenced.clear()
         self.incarnation = uuid.uuid4().hex[:12]
         self.plans.restart(last_entry_id(self.redis, self.plan_key))
-        self._register("ready")
+        self._register(RankState.READY)
         log.info(
             "rank %d ready on %s as %s", self.rank, self.engine.runner.device, self.incarnation
         )
@@ -151,21 +159,21 @@ class Worker:
         self.redis.hset(
             self.rank_key,
             mapping={
-                "device": str(device),
-                "vocab_size": loaded.config.vocab_size,
-                "dtype": str(loaded.dtype).split(".")[-1],
-                "model": str(loaded.path),
+                RankField.DEVICE: str(device),
+                RankField.VOCAB_SIZE: loaded.config.vocab_size,
+                RankField.DTYPE: str(loaded.dtype).split(".")[-1],
+                RankField.MODEL: str(loaded.path),
             },
         )
-        runner = LaunchRunner(
-            loaded.model,
-            settings.kv_slots_per_rank,
-            settings.max_kv_len,
-            settings.prefill_chunk,
-            settings.decode_batch,
-            prefill_segments=settings.prefill_segments,
+        runner = LaunchRunner(loaded.model, settings.launch_shapes())
+        self.redis.hset(
+            self.rank_key,
+            mapping={
+                RankField.STATE: RankState.WARMING.value,
+                RankField.PACKS: int(runner.packs),
+                RankField.SHAPES: runner.shapes.encode(),
+            },
         )
-        self.redis.hset(self.rank_key, mapping={"state": "warming", "packs": int(runner.packs)})
         runner.warm_up(progress)
         self.tokenizer = loaded.tokenizer
         return RankEngine(
@@ -192,24 +200,24 @@ class Worker:
         if self.metrics is not None:
             self.metrics.step(engine.shapes, engine.runner.launch_seconds)
 
-    def _register(self, state: str) -> None:
-        self.redis.hdel(self.rank_key, "reason")
+    def _register(self, state: RankState) -> None:
+        self.redis.hdel(self.rank_key, RankField.REASON)
         self.redis.hset(
             self.rank_key,
             mapping={
-                "rank": self.rank,
-                "pid": os.getpid(),
-                "host": socket.gethostname(),
-                "state": state,
-                "incarnation": self.incarnation,
-                "hb_ms": int(time.time() * 1000),
-                "requests": "",  # a new incarnation holds nothing yet
+                RankField.RANK: self.rank,
+                RankField.PID: os.getpid(),
+                RankField.HOST: socket.gethostname(),
+                RankField.STATE: state.value,
+                RankField.INCARNATION: self.incarnation,
+                RankField.HEARTBEAT_MS: int(time.time() * 1000),
+                RankField.REQUESTS: "",  # a new incarnation holds nothing yet
             },
         )
 
     def _heartbeat_loop(self) -> None:
         """Beat (with the ids of the requests this rank holds, for operators), and notice
-        when the batcher has declared this incarnation lost."""
+        when the batcher has declared this incarnation lost, or refused it."""
         client = connect(self.settings.redis_url)
         try:
             while not self.stop_event.wait(self.settings.heartbeat_s):
@@ -222,12 +230,24 @@ class Worker:
                     )
                     pipe.hset(
                         self.rank_key,
-                        mapping={"hb_ms": int(time.time() * 1000), "requests": ",".join(held)},
+                        mapping={
+                            RankField.HEARTBEAT_MS: int(time.time() * 1000),
+                            RankField.REQUESTS: ",".join(held),
+                        },
                     )
-                    pipe.hmget(self.rank_key, ["state", "incarnation"])
-                    state, incarnation = pipe.execute()[1]
-                    if state == b"lost" and incarnation == self.incarnation.encode():
+                    pipe.hmget(
+                        self.rank_key, [RankField.STATE, RankField.INCARNATION, RankField.REASON]
+                    )
+                    state, incarnation, reason = pipe.execute()[1]
+                    if incarnation != self.incarnation.encode():
+                        continue
+                    if state == RankState.LOST.value.encode():
                         self.fenced.set()
+                    elif state == RankState.FAILED.value.encode() and self.engine is not None:
+                        self.refused = (reason or b"").decode()
+                        log.error("rank %d refused by the batcher: %s", self.rank, self.refused)
+                        self.stop_event.set()
+                        return
                 except redis.RedisError as exc:
                     log.warning("heartbeat failed: %s", exc)
         finally:

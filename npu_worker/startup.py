@@ -7,6 +7,8 @@ from collections.abc import Callable
 
 import redis
 
+from schemas.registry import RankField
+
 # (what is being done, steps done, steps in all)
 ReportProgress = Callable[[str, int, int], None]
 
@@ -21,7 +23,11 @@ def rank_hash_reporter(client: redis.Redis, rank_key: str) -> ReportProgress:
     def report(what: str, done: int, total: int) -> None:
         client.hset(
             rank_key,
-            mapping={"progress": what, "progress_done": done, "progress_total": total},
+            mapping={
+                RankField.PROGRESS: what,
+                RankField.PROGRESS_DONE: done,
+                RankField.PROGRESS_TOTAL: total,
+            },
         )
 
     return report

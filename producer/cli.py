@@ -212,7 +212,7 @@ def status_main(argv: list[str]) -> int:
         )
         return 1
     if args.json:
-        print(json.dumps(status, indent=2))
+        print(json.dumps({"redis_url": redacted_url(client.url), **status}, indent=2))
         return 0
     if args.watch:
         watch(client.redis, client.keys, args.interval, client.url)

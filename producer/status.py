@@ -11,6 +11,7 @@ import redis
 
 from schemas.connection import hash_fields
 from schemas.keys import GROUP, PRIORITY_CLASSES, Keys
+from schemas.registry import RESTING_STATES, BatcherState, PoolField, RankField, RankState
 
 STALE_AFTER_MS = 10_000
 
@@ -30,7 +31,7 @@ def _int(info: dict[bytes, bytes], field: str) -> int:
 
 
 def _liveness(state: str, hb_ms: int, now_ms: int) -> str:
-    if state not in ("stopped", "failed", "") and now_ms - hb_ms > STALE_AFTER_MS:
+    if state not in (*RESTING_STATES, "") and now_ms - hb_ms > STALE_AFTER_MS:
         return "unresponsive"
     return state or "unknown"
 
@@ -38,34 +39,41 @@ def _liveness(state: str, hb_ms: int, now_ms: int) -> str:
 def pool_status(client: redis.Redis, keys: Keys, pool: str, now_ms: int) -> dict[str, Any]:
     """One pool's entry of `npu-pool status --json`."""
     info = hash_fields(client.hgetall(keys.pool(pool)))
-    num_ranks = _int(info, "ranks")
+    num_ranks = _int(info, PoolField.RANKS)
     ranks = []
     for rank in range(num_ranks):
         r = hash_fields(client.hgetall(keys.rank(pool, rank)))
         ranks.append(
             {
                 "rank": rank,
-                "pid": _int(r, "pid"),
-                "host": _text(r, "host"),
-                "device": _text(r, "device"),
-                "state": _liveness(_text(r, "state"), _int(r, "hb_ms"), now_ms),
-                "reason": _text(r, "reason") or None,
-                "requests": [i for i in _text(r, "requests").split(",") if i],
+                "pid": _int(r, RankField.PID),
+                "host": _text(r, RankField.HOST),
+                "device": _text(r, RankField.DEVICE),
+                "state": _liveness(
+                    _text(r, RankField.STATE), _int(r, RankField.HEARTBEAT_MS), now_ms
+                ),
+                "reason": _text(r, RankField.REASON) or None,
+                "requests": [i for i in _text(r, RankField.REQUESTS).split(",") if i],
                 "progress": {
-                    "what": _text(r, "progress"),
-                    "done": _int(r, "progress_done"),
-                    "total": _int(r, "progress_total"),
+                    "what": _text(r, RankField.PROGRESS),
+                    "done": _int(r, RankField.PROGRESS_DONE),
+                    "total": _int(r, RankField.PROGRESS_TOTAL),
                 },
             }
         )
     return {
         "pool": pool,
-        "state": _liveness(_text(info, "state"), _int(info, "hb_ms"), now_ms),
-        "epoch": _int(info, "epoch"),
-        "batcher": {"pid": _int(info, "batcher_pid"), "host": _text(info, "batcher_host")},
+        "state": _liveness(
+            _text(info, PoolField.STATE), _int(info, PoolField.HEARTBEAT_MS), now_ms
+        ),
+        "epoch": _int(info, PoolField.EPOCH),
+        "batcher": {
+            "pid": _int(info, PoolField.BATCHER_PID),
+            "host": _text(info, PoolField.BATCHER_HOST),
+        },
         "ranks": ranks,
-        "running": _int(info, "running"),
-        "waiting": _int(info, "waiting"),
+        "running": _int(info, PoolField.RUNNING),
+        "waiting": _int(info, PoolField.WAITING),
         "steps": _int(info, "steps"),
         "tokens": _int(info, "tokens"),
         "finished": _int(info, "finished"),
@@ -151,13 +159,14 @@ def ready_pool(client: redis.Redis, keys: Keys, pool: str | None = None) -> str 
     failures = []
     for name in names:
         status = pool_status(client, keys, name, now_ms)
+        ready = RankState.READY.value
         if (
-            status["state"] == "ready"
+            status["state"] == BatcherState.READY.value
             and status["ranks"]
-            and all(r["state"] == "ready" for r in status["ranks"])
+            and all(r["state"] == ready for r in status["ranks"])
         ):
             return name
-        failed = [r for r in status["ranks"] if r["state"] == "failed"]
+        failed = [r for r in status["ranks"] if r["state"] == RankState.FAILED.value]
         if failed:
             failures.append(
                 f"pool {name}: "

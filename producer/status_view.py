@@ -17,9 +17,7 @@ from rich.text import Text
 from producer.status import collect_status, pool_status, ready_pool
 from schemas.config import redacted_url
 from schemas.keys import Keys
-
-# Rank states before `ready`: registered by its supervisor, loading the model, warming up.
-STARTING_STATES = ("starting", "loading", "warming")
+from schemas.registry import STARTING_STATES, BatcherState, RankState
 
 
 def render(
@@ -55,6 +53,8 @@ def render(
             progress = rank["progress"]
             if rank["state"] in STARTING_STATES and progress["total"]:
                 cells[-1] += f" ({progress['what']}: {progress['done']}/{progress['total']})"
+            elif rank["state"] == RankState.FAILED.value and rank["reason"]:
+                cells[-1] += f": {rank['reason']}"
             table.add_row(*cells)
         parts.append(table)
         line = (
@@ -78,9 +78,9 @@ def render(
 
 def _pool_state(pool: dict[str, Any]) -> str:
     """The pool's state; while it starts, how many of its ranks are ready."""
-    if pool["state"] != "starting" or not pool["ranks"]:
+    if pool["state"] != BatcherState.STARTING.value or not pool["ranks"]:
         return str(pool["state"])
-    ready = sum(r["state"] == "ready" for r in pool["ranks"])
+    ready = sum(r["state"] == RankState.READY.value for r in pool["ranks"])
     return f"starting, {ready}/{len(pool['ranks'])} ranks ready"
 
 
@@ -153,7 +153,7 @@ def wait_ready_live(
             for rank in pool_status(client, keys, pool, int(time.time() * 1000))["ranks"]:
                 shown = rank["progress"]
                 what = shown["what"] or (
-                    "starting" if rank["state"] == "unknown" else rank["state"]
+                    RankState.STARTING.value if rank["state"] == "unknown" else rank["state"]
                 )
                 if rank["rank"] not in tasks:
                     tasks[rank["rank"]] = progress.add_task("", total=None)

@@ -13,6 +13,8 @@ import platformdirs
 from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from schemas.registry import LaunchShapes
+
 # `--model` names that are not paths: models built (tiny, small) or imported (smollm2) into
 # the cache on first use (npu_worker/models/presets.py).
 MODEL_PRESETS = ("tiny", "small", "smollm2")
@@ -117,6 +119,17 @@ class Settings(BaseSettings):
         """KV positions per slot: max_model_len rounded up to whole prefill chunks."""
         chunks = -(-self.max_model_len // self.prefill_chunk)
         return chunks * self.prefill_chunk
+
+    def launch_shapes(self) -> LaunchShapes:
+        """The shapes every rank of a pool with these settings must run."""
+        return LaunchShapes(
+            decode_batch=self.decode_batch,
+            prefill_chunk=self.prefill_chunk,
+            prefill_segments=self.prefill_segments,
+            num_slots=self.kv_slots_per_rank,
+            max_kv_len=self.max_kv_len,
+            mtp=self.mtp,
+        )
 
     def service_args(self) -> list[str]:
         """This configuration as command-line flags, for child processes."""

@@ -19,6 +19,7 @@ from schemas.codec import decode
 from schemas.config import Settings
 from schemas.control import RankStepPlan, StepResult
 from schemas.messages import ResultChunk
+from schemas.registry import LaunchShapes
 from tests.reference import ReferenceCompletion, generate_alone
 
 # float32 rows computed in different batch positions may differ by rounding; a top-2 gap
@@ -35,13 +36,7 @@ def load_reference_model(settings: Settings) -> LoadedModel:
 
 def reference_runner(loaded: LoadedModel, settings: Settings) -> LaunchRunner:
     """Launches of the same shapes as the pool's ranks, for lone-request references."""
-    return LaunchRunner(
-        loaded.model,
-        settings.kv_slots_per_rank,
-        settings.max_kv_len,
-        settings.prefill_chunk,
-        settings.decode_batch,
-    )
+    return LaunchRunner(loaded.model, settings.launch_shapes())
 
 
 def reference(
@@ -119,3 +114,17 @@ def wait_until(condition: Callable[[], bool], timeout_s: float = 30.0, what: str
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s}s waiting for {what or condition}")
         time.sleep(0.02)
+
+
+def launch_shapes(
+    num_slots: int, max_kv_len: int, prefill_chunk: int, decode_batch: int, segments: int = 8
+) -> LaunchShapes:
+    """The shapes of a runner built by hand in a test (MTP follows the model)."""
+    return LaunchShapes(
+        decode_batch=decode_batch,
+        prefill_chunk=prefill_chunk,
+        prefill_segments=segments,
+        num_slots=num_slots,
+        max_kv_len=max_kv_len,
+        mtp=False,
+    )

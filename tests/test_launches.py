@@ -14,7 +14,7 @@ from npu_worker.runner import LaunchRunner
 from schemas.config import Settings
 from schemas.control import NewRequest, PrefillChunk, RankStepPlan
 from schemas.messages import SamplingParams
-from tests.helpers import LocalRank, load_reference_model, random_prompt
+from tests.helpers import LocalRank, launch_shapes, load_reference_model, random_prompt
 
 SETTINGS = Settings(
     model="tiny", device="cpu", max_model_len=512, kv_slots_per_rank=8, decode_batch=4
@@ -28,7 +28,10 @@ def loaded() -> LoadedModel:
 
 def make_runner(loaded: LoadedModel, num_slots: int = 8) -> LaunchRunner:
     return LaunchRunner(
-        loaded.model, num_slots, SETTINGS.max_kv_len, SETTINGS.prefill_chunk, SETTINGS.decode_batch
+        loaded.model,
+        launch_shapes(
+            num_slots, SETTINGS.max_kv_len, SETTINGS.prefill_chunk, SETTINGS.decode_batch
+        ),
     )
 
 

@@ -56,18 +56,23 @@ def test_cancel_ends_running_queued_and_unread_requests_once(
 def test_deadlines_end_queued_and_running_requests_with_timeout(
     start_pool, client: Client, redis_client
 ) -> None:
-    start_pool(ranks=1, max_model_len=512)
+    start_pool(ranks=1, max_model_len=4096)
     now_ms = int(time.time() * 1000)
     client.submit(prompt_token_ids=[3], request_id="late", deadline_ms=now_ms - 1, **LONG)
     others = [client.submit(prompt_token_ids=[4 + i], **LONG) for i in range(7)]
+    # far more tokens than any machine makes before its deadline, so it always ends mid-run
+    endless = {**LONG, "max_tokens": 4000}
     client.submit(
-        prompt_token_ids=[12], request_id="soon", deadline_ms=int(time.time() * 1000) + 400, **LONG
+        prompt_token_ids=[12],
+        request_id="soon",
+        deadline_ms=int(time.time() * 1000) + 400,
+        **endless,
     )
 
     late = list(client.stream("late", timeout_s=60))
     assert check_stream(late) == [] and late[-1].finish_reason == FinishReason.TIMEOUT
     soon = list(client.stream("soon", timeout_s=60))
-    assert len(check_stream(soon)) < 400 and soon[-1].finish_reason == FinishReason.TIMEOUT
+    assert len(check_stream(soon)) < 4000 and soon[-1].finish_reason == FinishReason.TIMEOUT
     for request_id in others:
         assert len(check_stream(list(client.stream(request_id, timeout_s=120)))) == 400
     wait_until(lambda: redis_client.xlen(KEYS.requests) == 0, what="every entry deleted")

@@ -16,7 +16,7 @@ from npu_worker.models.presets import resolve_model_dir
 from npu_worker.runner import LaunchRunner
 from schemas.config import Settings
 from schemas.messages import GenerateRequest, SamplingParams
-from tests.helpers import LocalRank, random_prompt
+from tests.helpers import LocalRank, launch_shapes, random_prompt
 
 SETTINGS = Settings(
     model="tiny",
@@ -37,7 +37,7 @@ def test_lockstep_ranks_run_identical_launch_sequences_every_step(packed: bool) 
     )
     engines = [
         LocalRank(
-            LaunchRunner(loaded.model, 4, SETTINGS.max_kv_len, 128, 2),
+            LaunchRunner(loaded.model, launch_shapes(4, SETTINGS.max_kv_len, 128, 2)),
             loaded.tokenizer,
             (),
             SETTINGS.max_model_len,

@@ -21,7 +21,7 @@ from schemas.config import Settings
 from schemas.control import NewRequest, PrefillChunk, RankStepPlan, StepResult
 from schemas.keys import Keys
 from schemas.messages import SamplingParams
-from tests.helpers import TIE_TOLERANCE, LocalRank, check_stream, random_prompt
+from tests.helpers import TIE_TOLERANCE, LocalRank, check_stream, launch_shapes, random_prompt
 from tests.reference import first_divergence, generate_alone
 
 SETTINGS = Settings(
@@ -72,7 +72,7 @@ def committed(runner: LaunchRunner, slot: int) -> tuple[int, int, int]:
 
 
 def test_committed_window_after_acceptance_and_rejection(with_mtp: LoadedModel) -> None:
-    runner = LaunchRunner(with_mtp.model, 8, SETTINGS.max_kv_len, 128, 4)
+    runner = LaunchRunner(with_mtp.model, launch_shapes(8, SETTINGS.max_kv_len, 128, 4))
     prompt = random_prompt(random.Random(1), 20, 512)
     for slot in (2, 3):
         out = runner.prefill_launch(slot, prompt, 0)
@@ -114,7 +114,7 @@ def test_greedy_with_mtp_equals_greedy_without_over_three_microbatches_per_rank(
         mtp=True, ranks=2, decode_batch=4, max_num_seqs=24, kv_slots_per_rank=12, max_model_len=512
     ).settings
     plain = load(mtp=False)
-    runner = LaunchRunner(plain.model, 12, settings.max_kv_len, 128, 4)
+    runner = LaunchRunner(plain.model, launch_shapes(12, settings.max_kv_len, 128, 4))
     rng = random.Random(11)
     texts = ["Once upon a time", "Hello, world!", "The pool reads requests", "def add(a, b):"]
     cases = []
@@ -143,7 +143,7 @@ def test_greedy_with_mtp_equals_greedy_without_over_three_microbatches_per_rank(
 
 def sample_paths(loaded: LoadedModel, count: int, seed_base: int) -> Counter:
     """(token 1, token 2) of `count` sampled completions of one prompt, 8 at a time."""
-    runner = LaunchRunner(loaded.model, 8, SETTINGS.max_kv_len, 128, 8)
+    runner = LaunchRunner(loaded.model, launch_shapes(8, SETTINGS.max_kv_len, 128, 8))
     engine = LocalRank(runner, loaded.tokenizer, (), SETTINGS.max_model_len)
     sampling = SamplingParams(max_tokens=3, temperature=1.0, top_k=3, ignore_eos=True)
     prompt = [12, 13, 14, 15]
@@ -197,7 +197,7 @@ def test_sampled_tokens_with_mtp_follow_the_same_distribution(with_mtp: LoadedMo
 def test_mtp_never_overruns_max_model_len_or_max_tokens(
     with_mtp: LoadedModel, prompt_len: int, max_tokens: int, expected: int
 ) -> None:
-    runner = LaunchRunner(with_mtp.model, 8, 256, 128, 4)
+    runner = LaunchRunner(with_mtp.model, launch_shapes(8, 256, 128, 4))
     engine = LocalRank(runner, with_mtp.tokenizer, (), max_model_len=160)
     prompt = random_prompt(random.Random(prompt_len), prompt_len, 512)
     new = NewRequest(

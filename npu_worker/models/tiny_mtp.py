@@ -15,6 +15,7 @@ from npu_worker.models.launch import LaunchInputs
 from npu_worker.models.llama import CausalLM
 from npu_worker.runner import LaunchRunner
 from npu_worker.startup import ReportProgress, no_progress
+from schemas.registry import LaunchShapes
 
 SEQUENCES, PROMPT_LEN, LENGTH, STEPS = 64, 8, 64, 100
 FITTING = "building the tiny model: fitting its MTP module"
@@ -83,7 +84,15 @@ def _greedy_data(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy continuations of text and random prompts, and their final hidden states."""
     rng = random.Random(seed)
-    runner = LaunchRunner(model, SEQUENCES, LENGTH, LENGTH, SEQUENCES)
+    shapes = LaunchShapes(
+        decode_batch=SEQUENCES,
+        prefill_chunk=LENGTH,
+        prefill_segments=1,
+        num_slots=SEQUENCES,
+        max_kv_len=LENGTH,
+        mtp=False,
+    )
+    runner = LaunchRunner(model, shapes)
     prompts = []
     for i in range(SEQUENCES):
         if i % 2:

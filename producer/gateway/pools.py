@@ -15,6 +15,7 @@ from producer.gateway.render import TokenText, token_id_text
 from producer.status import pool_status
 from schemas.connection import hash_fields
 from schemas.keys import Keys
+from schemas.registry import BatcherState, PoolField, RankField, RankState
 
 log = logging.getLogger("npu_pool.gateway")
 
@@ -81,18 +82,20 @@ class PoolWatch:
         for name in names:
             status = pool_status(self.redis, self.keys, name, now_ms)
             ranks = status["ranks"]
-            if status["state"] != "ready" or not ranks:
+            if status["state"] != BatcherState.READY.value or not ranks:
                 continue
-            if any(r["state"] != "ready" for r in ranks):
+            if any(r["state"] != RankState.READY.value for r in ranks):
                 continue
             info = hash_fields(self.redis.hgetall(self.keys.pool(name)))
-            model = info.get(b"model") or self.redis.hget(self.keys.rank(name, 0), "model")
+            model = info.get(PoolField.MODEL.encode()) or self.redis.hget(
+                self.keys.rank(name, 0), RankField.MODEL
+            )
             served.append(
                 ServedPool(
                     name=name,
                     model=cast(bytes, model or b"default").decode(),
-                    max_model_len=int(info.get(b"max_model_len", b"1024")),
-                    created=int(info.get(b"started_ms", b"0")) // 1000,
+                    max_model_len=int(info.get(PoolField.MAX_MODEL_LEN.encode(), b"1024")),
+                    created=int(info.get(PoolField.STARTED_MS.encode(), b"0")) // 1000,
                 )
             )
         return served
