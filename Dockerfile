@@ -22,12 +22,14 @@ ENV NPUPOOL_DEVICE=npu
 CMD ["npu-pool", "up"]
 
 FROM python:3.11-slim AS cpu
-# The CPU build of torch keeps the image small; override to use another index.
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# PyPI's torch on Linux is the CUDA build (several GB); pass PyTorch's CPU wheel index as
+# --build-arg TORCH_INDEX_URL=... for the small CPU image (compose reads it from the
+# environment), or your CUDA version's index.
+ARG TORCH_INDEX_URL=""
 RUN apt-get update && apt-get install -y --no-install-recommends gcc make \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /app
-RUN pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" torch
+RUN pip install --no-cache-dir ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "torch==2.13.0"
 COPY pyproject.toml README.md ./
 COPY npu_pool npu_pool
 COPY schemas schemas

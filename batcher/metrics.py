@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, Histogram
 
 from batcher.intake import Tracked
 from batcher.scheduler import Sequence
-from npu_pool.metrics import CountsCollector
+from schemas.metrics import CountsCollector
 
 STEP_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)

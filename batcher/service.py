@@ -47,12 +47,12 @@ from batcher.scheduler import (
     lose_rank,
     plan_step,
 )
-from npu_pool.metrics import serve_metrics
 from schemas.config import Settings, add_settings_flags, settings_from_args
 from schemas.connection import connect
 from schemas.control import StepResult
 from schemas.keys import Keys
 from schemas.messages import FinishReason
+from schemas.metrics import serve_metrics
 from schemas.registry import BatcherState, PoolField
 
 log = logging.getLogger("npu_pool.batcher")

@@ -16,7 +16,8 @@ from typing import IO
 import redis
 
 from npu_pool.extras import MissingExtra
-from schemas.config import cache_dir, redis_record_path
+from schemas.config import cache_dir
+from schemas.connection import redis_record_path
 
 
 def find_redis_server() -> str:

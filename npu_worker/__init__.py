@@ -1,1 +1,2 @@
-"""A worker rank: model, KV cache, fixed-shape launches, sampler, detokenizer, publisher."""
+"""A worker rank: the rank process (plan reader, engine, runner, backends, sampler, MTP), its
+models (`models/`) and its torch-free output process (`output/`)."""

@@ -17,8 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
-from npu_worker.models.launch import KVCache, LaunchInputs, LaunchOutput
-from npu_worker.models.llama import CausalLM
+from npu_worker.models.launch import KVCache, LaunchInputs, LaunchModel, LaunchOutput
 
 
 class LaunchBackend(Protocol):
@@ -40,11 +39,11 @@ class EagerBackend:
     reads_in_place = True
     packs = True
 
-    def __init__(self, model: CausalLM, cache: KVCache) -> None:
+    def __init__(self, model: LaunchModel, cache: KVCache) -> None:
         self.model, self.cache = model, cache
 
     def run(self, launch: LaunchInputs) -> LaunchOutput:
-        return self.model(launch, self.cache)
+        return self.model.forward(launch, self.cache)
 
     def draft(self, launch: LaunchInputs, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.draft(launch, hidden, self.cache)
@@ -57,7 +56,7 @@ class CudaGraphBackend:
     reads_in_place = False
     packs = True
 
-    def __init__(self, model: CausalLM, cache: KVCache) -> None:
+    def __init__(self, model: LaunchModel, cache: KVCache) -> None:
         self.model, self.cache = model, cache
         self.graphs: dict[
             tuple[Any, ...], tuple[torch.cuda.CUDAGraph, LaunchInputs, torch.Tensor | None, Any]
@@ -115,7 +114,7 @@ class CudaGraphBackend:
         )
         static_hidden = torch.zeros_like(hidden) if hidden is not None else None
         call: Callable[[], Any] = (
-            (lambda: self.model(static, self.cache))
+            (lambda: self.model.forward(static, self.cache))
             if program == "forward"
             else (lambda: self.model.draft(static, static_hidden, self.cache))  # type: ignore[arg-type]
         )
@@ -137,7 +136,7 @@ class NpuBackend:
     reads_in_place = False
     packs = False  # a compiled B1S128 kernel takes one request per call
 
-    def __init__(self, model: CausalLM, cache: KVCache) -> None:
+    def __init__(self, model: LaunchModel, cache: KVCache) -> None:
         try:
             import torch_npu  # noqa: F401
         except ImportError as exc:
@@ -166,7 +165,7 @@ class NpuBackend:
 
 
 def make_backend(
-    model: CausalLM, cache: KVCache, device: torch.device, cuda_graphs: bool = True
+    model: LaunchModel, cache: KVCache, device: torch.device, cuda_graphs: bool = True
 ) -> LaunchBackend:
     """The backend for a device: graphs on CUDA (unless disabled), torch_npu on NPU."""
     if device.type == "cuda" and cuda_graphs:

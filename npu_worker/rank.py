@@ -20,7 +20,6 @@ import uuid
 import redis
 from prometheus_client import CollectorRegistry
 
-from npu_pool.metrics import CountsCollector, serve_metrics
 from npu_worker.engine import RankEngine
 from npu_worker.models.config import UnsupportedModel
 from npu_worker.models.presets import load_for
@@ -32,6 +31,7 @@ from npu_worker.startup import rank_hash_reporter
 from schemas.config import Settings
 from schemas.connection import connect, last_entry_id
 from schemas.keys import Keys
+from schemas.metrics import CountsCollector, serve_metrics
 from schemas.registry import RankField, RankState
 
 log = logging.getLogger("npu_pool.worker")

@@ -20,8 +20,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from npu_worker.backends import make_backend
-from npu_worker.models.launch import KVCache, LaunchInputs, LaunchOutput
-from npu_worker.models.llama import CausalLM
+from npu_worker.models.launch import LaunchInputs, LaunchModel, LaunchOutput
 from npu_worker.startup import ReportProgress, no_progress
 from schemas.registry import LaunchShapes
 
@@ -77,20 +76,16 @@ EAGER_SPAN_STEP = 32
 class LaunchRunner:
     """Runs prefill, decode, and MTP verify/draft launches of one rank on its device."""
 
-    def __init__(self, model: CausalLM, shapes: LaunchShapes, cuda_graphs: bool = True) -> None:
-        weight = model.lm_head.weight
+    def __init__(self, model: LaunchModel, shapes: LaunchShapes, cuda_graphs: bool = True) -> None:
         self.mtp = model.mtp is not None
         # what this rank runs, as it registers it: verify launches only with an MTP module
         self.shapes = replace(shapes, mtp=self.mtp)
         self.prefill_segments = shapes.prefill_segments  # packed launches: segments, at most
-        self.device = weight.device
         self.prefill_chunk = prefill_chunk = shapes.prefill_chunk
         self.decode_batch = decode_batch = shapes.decode_batch
         num_slots = shapes.num_slots
-        layers = model.config.num_layers + (1 if self.mtp else 0)
-        self.cache = KVCache(
-            model.config, num_slots, shapes.max_kv_len, weight.dtype, self.device, num_layers=layers
-        )
+        self.cache = model.new_cache(num_slots, shapes.max_kv_len)
+        self.device = self.cache.device
         self.backend = make_backend(model, self.cache, self.device, cuda_graphs)
         # graph backends capture one shape per span, so spans are whole prefill chunks;
         # eager ones capture nothing and read only as far as the context needs

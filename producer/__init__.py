@@ -1,4 +1,5 @@
-"""Producer side of npu-pool: the client library, CLI commands and the pool launcher."""
+"""What a producer service uses: Client and AsyncClient, result streams, the submit, cancel and
+status commands, the HTTP gateway (an HTTP producer) and RQ batch jobs (an offline producer)."""
 
 from producer.client import AsyncClient, Client, QueueFull
 

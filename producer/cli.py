@@ -15,7 +15,7 @@ from producer.lookup import find_request
 from producer.requests import invalid_reason
 from producer.status import collect_status
 from producer.status_view import render, watch
-from schemas.config import redacted_url
+from schemas.connection import redacted_url
 
 CONNECTION_HELP = (
     "default: REDIS_URL, else the running `npu-pool up` (`npu-pool status --url` prints it)"

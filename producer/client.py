@@ -23,8 +23,8 @@ from producer.requests import (
 from producer.status import PoolFailed, ready_pool
 from producer.streams import StreamMux, Subscription
 from schemas.codec import decode
-from schemas.config import Settings, resolve_redis_url
-from schemas.connection import stream_entries
+from schemas.config import Settings
+from schemas.connection import resolve_redis_url, stream_entries
 from schemas.keys import FIELD, Keys
 from schemas.messages import ChatMessage, Completion, GenerateRequest, ResultChunk
 

@@ -15,7 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from producer.status import collect_status, pool_status, ready_pool
-from schemas.config import redacted_url
+from schemas.connection import redacted_url
 from schemas.keys import Keys
 from schemas.registry import STARTING_STATES, BatcherState, RankState
 
@@ -53,10 +53,13 @@ def render(
             progress = rank["progress"]
             if rank["state"] in STARTING_STATES and progress["total"]:
                 cells[-1] += f" ({progress['what']}: {progress['done']}/{progress['total']})"
-            elif rank["state"] == RankState.FAILED.value and rank["reason"]:
-                cells[-1] += f": {rank['reason']}"
             table.add_row(*cells)
         parts.append(table)
+        parts += [
+            Text(f"  rank {rank['rank']} failed: {rank['reason']}", style="red")
+            for rank in pool["ranks"]
+            if rank["state"] == RankState.FAILED.value and rank["reason"]
+        ]
         line = (
             f"  running {pool['running']}, waiting {pool['waiting']}, steps {pool['steps']}, "
             f"tokens {pool['tokens']}, finished {pool['finished']}, "

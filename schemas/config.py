@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import urllib.parse
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
@@ -178,47 +176,3 @@ def settings_from_args(args: argparse.Namespace, **overrides: Any) -> Settings:
     }
     given.update(overrides)
     return Settings(**given)
-
-
-def redis_record_path() -> Path:
-    """Where a running `npu-pool up` records its embedded Redis URL."""
-    return cache_dir() / "redis.json"
-
-
-def resolve_redis_url(redis_url: str | None) -> str:
-    """The URL to use: the one given, REDIS_URL, or the local `npu-pool up`'s embedded Redis."""
-    if redis_url:
-        return redis_url
-    env = os.environ.get("REDIS_URL") or os.environ.get("NPUPOOL_REDIS_URL")
-    if env:
-        return env
-    record = redis_record_path()
-    if record.exists():
-        info = json.loads(record.read_text())
-        if _pid_alive(int(info.get("pid", 0))):
-            return str(info["url"])
-    raise ConnectionError(
-        "no Redis to talk to: pass --redis-url, set REDIS_URL, or start `npu-pool up` "
-        f"(it records its embedded Redis in {record})"
-    )
-
-
-def redacted_url(url: str) -> str:
-    """`url` with its password shown as `***`, for logs and `npu-pool status`."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.netloc.rsplit("@", 1)[1]
-    return urllib.parse.urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

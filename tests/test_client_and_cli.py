@@ -13,7 +13,8 @@ import redis
 from npu_pool.cli import main as cli_main
 from npu_pool.embedded import EmbeddedRedis
 from producer.client import AsyncClient, Client, QueueFull
-from schemas.config import Settings, resolve_redis_url
+from schemas.config import Settings
+from schemas.connection import resolve_redis_url
 from schemas.keys import Keys
 
 

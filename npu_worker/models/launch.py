@@ -4,6 +4,7 @@ outputs, and the static KV cache it reads and writes (docs/architecture.md §2).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -71,8 +72,31 @@ class KVCache:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.num_slots = num_slots
         self.max_kv_len = max_kv_len
+        self.device = device
 
     @property
     def scratch_position(self) -> int:
         """The position padding rows write to."""
         return self.max_kv_len
+
+
+class LaunchModel(Protocol):
+    """What the runner and its backends need of an architecture's model: its static cache,
+    one launch at a fixed shape, and (with an MTP module) the draft over a launch."""
+
+    @property
+    def mtp(self) -> torch.nn.Module | None:
+        """The MTP module, if the model was built with one."""
+        ...
+
+    def new_cache(self, num_slots: int, max_kv_len: int) -> KVCache:
+        """The cache every launch of this model reads and writes, allocated once."""
+        ...
+
+    def forward(self, launch: LaunchInputs, cache: KVCache) -> LaunchOutput:
+        """Run one launch: write its K/V, return logits at `logit_index` and hidden states."""
+        ...
+
+    def draft(self, launch: LaunchInputs, hidden: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """MTP logits for a launch whose tokens follow the hidden states `hidden`."""
+        ...

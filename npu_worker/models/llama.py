@@ -136,6 +136,14 @@ class CausalLM(nn.Module):
         self.register_buffer("rope_cos", angles.cos(), persistent=False)
         self.register_buffer("rope_sin", angles.sin(), persistent=False)
 
+    def new_cache(self, num_slots: int, max_kv_len: int) -> KVCache:
+        """K/V for every layer (and the MTP block's), on the weights' device and dtype."""
+        weight = self.lm_head.weight
+        layers = self.config.num_layers + (1 if self.mtp is not None else 0)
+        return KVCache(
+            self.config, num_slots, max_kv_len, weight.dtype, weight.device, num_layers=layers
+        )
+
     def tie_weights(self) -> None:
         """Share the embedding with the head, for tied checkpoints."""
         self.lm_head.weight = self.model.embed_tokens.weight

@@ -1,1 +1,2 @@
-"""The rank's output process (torch-free): detokenizing, stop strings, publishing."""
+"""The rank's output process (torch-free): detokenizing, stop strings, publishing
+(docs/architecture.md §9)."""

@@ -1,4 +1,6 @@
-"""Prometheus metrics: each service exposes its own registry over HTTP (prometheus-client).
+"""The metrics contract: what the batcher and every rank expose to Prometheus scrapers, each
+from its own registry over HTTP (prometheus-client), under `npupool_*` names labelled with
+the pool (and rank), as the README lists them.
 
 Counters are read from the counts a service already keeps, at scrape time, so nothing is
 counted twice; latencies are histograms observed where they happen.
