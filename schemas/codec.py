@@ -85,7 +85,11 @@ def request_id_of(raw: bytes | None) -> str | None:
 
 def _unpack_map(raw: bytes) -> dict[str, Any]:
     try:
-        data = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+        # a string that is not UTF-8 is read with its bad bytes as U+DC80..U+DCFF, so the map
+        # and its `id` stay readable and validation names the field (schemas/messages.py)
+        data = msgpack.unpackb(
+            raw, raw=False, strict_map_key=False, unicode_errors="surrogateescape"
+        )
     except Exception as exc:  # msgpack raises several unrelated types on garbage
         raise CodecError(f"not msgpack: {type(exc).__name__}: {exc}") from exc
     if not isinstance(data, dict):

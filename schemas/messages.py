@@ -7,7 +7,16 @@ import re
 from enum import Enum
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 SCHEMA_VERSION = 1
 REQUEST_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
@@ -16,6 +25,33 @@ MAX_METADATA_ITEMS = 32
 MAX_METADATA_CHARS = 1024
 MAX_LOGPROBS = 20
 MAX_CHAT_MESSAGES = 256
+
+
+def _utf8(value: str) -> str:
+    """`value` if UTF-8 can encode it; else an error naming where it cannot.
+
+    The codec reads a request's strings with `surrogateescape`, so a byte that is not UTF-8
+    arrives as U+DC80..U+DCFF and is reported at its byte offset in the entry's string; any
+    other lone surrogate (JSON `\\ud800`, a Python str) at its character index."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        char = value[exc.start]
+        if "\udc80" <= char <= "\udcff":
+            offset = len(value[: exc.start].encode("utf-8", "surrogateescape"))
+            raise PydanticCustomError(
+                "utf8", "not valid UTF-8 at byte {offset}", {"offset": offset}
+            ) from None
+        raise PydanticCustomError(
+            "utf8",
+            "holds a lone surrogate U+{code} at character {index}, which is not valid Unicode",
+            {"code": f"{ord(char):04X}", "index": exc.start},
+        ) from None
+    return value
+
+
+# A string of the wire: anything UTF-8 can encode (msgpack strings are UTF-8).
+Text = Annotated[str, AfterValidator(_utf8)]
 
 
 class FinishReason(str, Enum):
@@ -43,7 +79,7 @@ class SamplingParams(_Wire):
     top_k: int = Field(default=0, ge=-1, description="0 or -1: no top-k filter")
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
-    stop: list[str] = Field(default_factory=list, max_length=16)
+    stop: list[Text] = Field(default_factory=list, max_length=16)
     stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] = Field(
         default_factory=list, max_length=64
     )
@@ -74,8 +110,8 @@ class SamplingParams(_Wire):
 class ChatMessage(_Wire):
     """One turn of a chat, rendered into the prompt with the model's chat template."""
 
-    role: Annotated[str, Field(min_length=1, max_length=32)]
-    content: str
+    role: Annotated[Text, Field(min_length=1, max_length=32)]
+    content: Text
 
 
 class GenerateRequest(_Wire):
@@ -83,14 +119,14 @@ class GenerateRequest(_Wire):
 
     v: int = SCHEMA_VERSION
     id: Annotated[str, Field(pattern=REQUEST_ID_PATTERN)]
-    prompt: str | None = None
+    prompt: Text | None = None
     prompt_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None
     messages: list[ChatMessage] | None = Field(default=None, max_length=MAX_CHAT_MESSAGES)
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     priority: int = 0
     deadline_ms: int | None = Field(default=None, ge=0)
     result_ttl_s: int | None = Field(default=None, ge=1)
-    metadata: dict[str, str] = Field(default_factory=dict, max_length=MAX_METADATA_ITEMS)
+    metadata: dict[Text, Text] = Field(default_factory=dict, max_length=MAX_METADATA_ITEMS)
 
     @field_validator("v")
     @classmethod

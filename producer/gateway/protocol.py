@@ -142,10 +142,14 @@ class TextPart(_Strict):
     text: str
 
 
+# The roles OpenAI's chat API takes; any other is a 400 there, and here.
+ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
+
+
 class ChatMessageIn(_Strict):
     """One message of a chat request."""
 
-    role: str
+    role: ChatRole
     content: str | list[TextPart] | None = None
 
     def text(self) -> str:
