@@ -58,7 +58,7 @@ class ModelConfig:
             raise UnsupportedModel(
                 f"{config_path}: architectures {architectures} (model_type "
                 f"{raw.get('model_type')!r}) not supported; supported: "
-                f"{sorted(SUPPORTED_ARCHITECTURES)}"
+                f"{sorted(SUPPORTED_ARCHITECTURES | {'DeepseekV3ForCausalLM'})}"
             )
         missing = [
             k
@@ -97,7 +97,7 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
-            eos_token_ids=_eos_ids(path, raw),
+            eos_token_ids=eos_ids(path, raw),
             rope_type=rope_type,
             rope_scaling={k: float(v) for k, v in rope.items() if isinstance(v, int | float)},
             mtp_layers=int(raw.get("num_nextn_predict_layers") or 0),
@@ -107,7 +107,7 @@ class ModelConfig:
         )
 
 
-def _eos_ids(path: Path, raw: dict[str, Any]) -> tuple[int, ...]:
+def eos_ids(path: Path, raw: dict[str, Any]) -> tuple[int, ...]:
     generation = path / "generation_config.json"
     value = raw.get("eos_token_id")
     if generation.exists():

@@ -8,8 +8,6 @@ from typing import Protocol
 
 import torch
 
-from npu_worker.models.config import ModelConfig
-
 
 @dataclass(slots=True)
 class LaunchInputs:
@@ -52,27 +50,44 @@ class LaunchOutput:
 
 
 class KVCache:
-    """Per-layer K and V buffers [slots, kv_heads, positions + 1, head_dim], allocated once.
+    """Per-layer K and V buffers [slots, kv_heads, positions + 1, dim], allocated once.
 
     The extra last position is scratch: padding rows write there, and no query reads it.
+    A latent cache (DeepSeek's MLA) keeps one buffer per layer: its values are the first
+    `value_dim` channels of its keys (`values_in_keys`), so V is a view, not a copy.
     """
 
     def __init__(
         self,
-        config: ModelConfig,
+        num_layers: int,
         num_slots: int,
         max_kv_len: int,
+        num_kv_heads: int,
+        key_dim: int,
         dtype: torch.dtype,
         device: torch.device,
-        num_layers: int | None = None,
+        value_dim: int | None = None,
+        values_in_keys: bool = False,
     ) -> None:
-        shape = (num_slots, config.num_kv_heads, max_kv_len + 1, config.head_dim)
-        layers = config.num_layers if num_layers is None else num_layers
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        shape = (num_slots, num_kv_heads, max_kv_len + 1, key_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        value_dim = key_dim if value_dim is None else value_dim
+        if values_in_keys:
+            self.v = [k[..., :value_dim] for k in self.k]
+        else:
+            v_shape = (*shape[:-1], value_dim)
+            self.v = [torch.zeros(v_shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.num_slots = num_slots
         self.max_kv_len = max_kv_len
         self.device = device
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Cache bytes one token takes over every layer (the views counted once)."""
+        per_layer = self.k[0][0, :, 0].numel() * self.k[0].element_size()
+        if self.v[0].data_ptr() != self.k[0].data_ptr():
+            per_layer += self.v[0][0, :, 0].numel() * self.v[0].element_size()
+        return per_layer * len(self.k)
 
     @property
     def scratch_position(self) -> int:

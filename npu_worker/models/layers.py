@@ -101,23 +101,36 @@ def attend(
     values: torch.Tensor,
     visible: torch.Tensor,
     num_kv_heads: int,
+    scale: float | None = None,
 ) -> torch.Tensor:
-    """Masked attention of q [B, S, H, D] over keys/values [B, Hkv, span, D], where
-    `visible` [B, S, span] says which keys each query sees.
+    """Masked attention of q [B, S, H, D] over keys [B, Hkv, span, D] and values
+    [B, Hkv, span, Dv], where `visible` [B, S, span] says which keys each query sees;
+    scores scaled by `scale` (default D^-0.5). Returns [B, S, H, Dv].
 
     Query heads are grouped over their shared KV head (no K/V copy for GQA). Masked
     scores are -inf, so they add exactly zero whatever the span.
     """
     batch, seq, num_heads, head_dim = q.shape
+    value_dim = values.shape[-1]
     group = num_heads // num_kv_heads
     span = keys.shape[2]
+    scale = head_dim**-0.5 if scale is None else scale
     qg = q.permute(0, 2, 1, 3).reshape(batch, num_kv_heads, group * seq, head_dim)
-    scores = torch.matmul(qg.float(), keys.float().transpose(-1, -2)) * head_dim**-0.5
+    scores = torch.matmul(qg.float(), keys.float().transpose(-1, -2)) * scale
     scores = scores.view(batch, num_kv_heads, group, seq, span)
     scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).view(batch, num_kv_heads, group * seq, span)
     out = torch.matmul(probs, values.float()).to(q.dtype)
-    return out.view(batch, num_heads, seq, head_dim).permute(0, 2, 1, 3)
+    return out.view(batch, num_heads, seq, value_dim).permute(0, 2, 1, 3)
+
+
+def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding over interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek's layout),
+    returned de-interleaved as [rotated evens, rotated odds]: a fixed permutation of the
+    channels, the same for queries and keys, so their dot products are those of the pairs.
+    cos/sin are [B, S, 1, D/2], one angle per pair."""
+    even, odd = x[..., 0::2].float(), x[..., 1::2].float()
+    return torch.cat((even * cos - odd * sin, odd * cos + even * sin), dim=-1).to(x.dtype)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:

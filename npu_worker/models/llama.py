@@ -140,8 +140,15 @@ class CausalLM(nn.Module):
         """K/V for every layer (and the MTP block's), on the weights' device and dtype."""
         weight = self.lm_head.weight
         layers = self.config.num_layers + (1 if self.mtp is not None else 0)
+        config = self.config
         return KVCache(
-            self.config, num_slots, max_kv_len, weight.dtype, weight.device, num_layers=layers
+            layers,
+            num_slots,
+            max_kv_len,
+            config.num_kv_heads,
+            config.head_dim,
+            weight.dtype,
+            weight.device,
         )
 
     def tie_weights(self) -> None:

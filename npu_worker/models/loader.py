@@ -7,11 +7,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
+from npu_worker.models import deepseek_v3
 from npu_worker.models.config import ModelConfig, UnsupportedModel
+from npu_worker.models.deepseek_v3 import DeepseekV3CausalLM, DeepseekV3Config
 from npu_worker.models.llama import CausalLM
+from npu_worker.models.weights import read_weights
 
 DTYPES = {
     "float32": torch.float32,
@@ -26,33 +28,59 @@ class LoadedModel:
     """A model on its device with its tokenizer and the facts the pool needs."""
 
     path: Path
-    config: ModelConfig
-    model: CausalLM
+    config: ModelConfig | DeepseekV3Config
+    model: CausalLM | DeepseekV3CausalLM
     tokenizer: Tokenizer
     dtype: torch.dtype
     device: torch.device
     chat_template: dict[str, str] | None = None
 
 
+def model_config(path: Path) -> ModelConfig | DeepseekV3Config:
+    """The architecture and hyper-parameters of a model directory; UnsupportedModel says
+    what is missing or not supported."""
+    config_path = path / "config.json"
+    if not config_path.exists():
+        raise UnsupportedModel(f"{path} has no config.json")
+    raw = json.loads(config_path.read_text())
+    if deepseek_v3.ARCHITECTURE in (raw.get("architectures") or []) or (
+        not raw.get("architectures") and raw.get("model_type") == deepseek_v3.MODEL_TYPE
+    ):
+        return DeepseekV3Config.from_dir(path)
+    return ModelConfig.from_dir(path)
+
+
 def load_model(
-    path: Path, dtype_name: str, device: torch.device, max_kv_len: int, mtp: bool = False
+    path: Path,
+    dtype_name: str,
+    device: torch.device,
+    max_kv_len: int,
+    mtp: bool = False,
+    experts: range | None = None,
 ) -> LoadedModel:
     """Build the model from `path` and load its weights; raises UnsupportedModel with the reason.
 
     With `mtp`, the checkpoint's MTP module (`mtp.*`, `num_nextn_predict_layers: 1`) is
-    loaded too; without it, MTP weights are ignored.
+    loaded too; without it, MTP weights are ignored. `experts` is the share of routed
+    experts this rank holds (expert parallelism; None: all): only their tensors are read.
     """
-    config = ModelConfig.from_dir(path)
+    config = model_config(path)
     if mtp and config.mtp_layers != 1:
         raise UnsupportedModel(
             f"{path}: --mtp needs an MTP module with num_nextn_predict_layers: 1 "
             f"(config has {config.mtp_layers})"
         )
-    if config.sliding_window is not None and max_kv_len > config.sliding_window:
-        raise UnsupportedModel(
-            f"{path}: sliding-window attention ({config.sliding_window} tokens) is not "
-            f"supported; use --max-model-len {config.sliding_window} or less"
-        )
+    if isinstance(config, ModelConfig):
+        if experts is not None:
+            raise UnsupportedModel(
+                f"{path}: --expert-parallel needs a mixture-of-experts model; "
+                f"{config.architecture} is dense"
+            )
+        if config.sliding_window is not None and max_kv_len > config.sliding_window:
+            raise UnsupportedModel(
+                f"{path}: sliding-window attention ({config.sliding_window} tokens) is not "
+                f"supported; use --max-model-len {config.sliding_window} or less"
+            )
     tokenizer_path = path / "tokenizer.json"
     if not tokenizer_path.exists():
         raise UnsupportedModel(f"{path} has no tokenizer.json")
@@ -64,8 +92,7 @@ def load_model(
     )
     if dtype == torch.float16 and device.type == "cpu":
         dtype = torch.bfloat16
-    model = CausalLM(config, max_positions=max_kv_len, with_mtp=mtp)
-    state = _read_weights(path)
+    model, state = _build(path, config, max_kv_len, mtp, experts)
     if not mtp:
         state = {k: v for k, v in state.items() if not k.startswith("mtp.")}
     if config.tie_word_embeddings or "lm_head.weight" not in state:
@@ -81,7 +108,38 @@ def load_model(
     model.to(device=device, dtype=dtype).eval()
     model.rope_cos = model.rope_cos.float()
     model.rope_sin = model.rope_sin.float()
+    if isinstance(model, DeepseekV3CausalLM):
+        for moe in model.moe_layers():
+            moe.gate.float()  # routing stays in float32 whatever the weights' dtype
     return LoadedModel(path, config, model, tokenizer, dtype, device, read_chat_template(path))
+
+
+def _build(
+    path: Path,
+    config: ModelConfig | DeepseekV3Config,
+    max_kv_len: int,
+    mtp: bool,
+    experts: range | None,
+) -> tuple[CausalLM | DeepseekV3CausalLM, dict[str, torch.Tensor]]:
+    """The architecture's model, and the checkpoint's tensors under its names."""
+    if isinstance(config, ModelConfig):
+        return CausalLM(config, max_positions=max_kv_len, with_mtp=mtp), read_weights(path)
+    share = range(config.n_routed_experts) if experts is None else experts
+
+    def keep(key: str) -> bool:
+        expert = deepseek_v3.expert_of(key)
+        name = deepseek_v3.checkpoint_name(key, config)
+        return name is not None and (expert is None or expert in share)
+
+    state = {}
+    for key, tensor in read_weights(path, keep).items():
+        name = deepseek_v3.checkpoint_name(key, config)
+        if name is not None:
+            state[name] = tensor
+    if mtp and "mtp.shared_head.head.weight" not in state and "lm_head.weight" in state:
+        state["mtp.shared_head.head.weight"] = state["lm_head.weight"]
+    model = DeepseekV3CausalLM(config, max_positions=max_kv_len, with_mtp=mtp, experts=share)
+    return model, state
 
 
 def read_chat_template(path: Path) -> dict[str, str] | None:
@@ -110,19 +168,5 @@ def _token_text(value: object) -> str:
     return value if isinstance(value, str) else ""
 
 
-def _is_tied(model: CausalLM) -> bool:
+def _is_tied(model: CausalLM | DeepseekV3CausalLM) -> bool:
     return model.lm_head.weight is model.model.embed_tokens.weight
-
-
-def _read_weights(path: Path) -> dict[str, torch.Tensor]:
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = sorted(p.name for p in path.glob("*.safetensors"))
-    if not files:
-        raise UnsupportedModel(f"{path} holds no *.safetensors weights")
-    state: dict[str, torch.Tensor] = {}
-    for name in files:
-        state.update(load_file(str(path / name)))
-    return state
