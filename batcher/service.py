@@ -122,6 +122,7 @@ class Batcher:
         )
         self.epoch = 0
         self.step = 0
+        self.regroup = False
         self.last_housekeeping = 0.0
         self.last_intake = 0.0
 
@@ -164,6 +165,9 @@ class Batcher:
         self.stopping = True
 
     def _tick(self) -> None:
+        if self.regroup:  # expert parallelism: a rank left or came, the group must re-form
+            self._start_epoch()
+            return
         now = time.monotonic()
         if now - self.last_housekeeping >= self.settings.heartbeat_s:
             self.last_housekeeping = now
@@ -214,6 +218,7 @@ class Batcher:
         )
         self._set_state(BatcherState.STARTING)
         self._wait_for_ranks()
+        self.regroup = False  # the ranks that joined while waiting form this epoch's group
         self._dispatch(StepPlan())  # the fence: ranks drop state of earlier epochs
         while self.channel.inflight and not self.stopping:
             self._collect(block_ms=200)
@@ -235,7 +240,11 @@ class Batcher:
         while not self.stopping:
             self._poll_ranks()
             everyone = len(self.state.ranks) == self.settings.ranks
-            waited = time.monotonic() - started > self.settings.rank_timeout_s
+            # split experts need every rank: no partial pool serves
+            waited = (
+                time.monotonic() - started > self.settings.rank_timeout_s
+                and not self.settings.expert_parallel
+            )
             if self.state.ranks and (everyone or waited) and self._load_tokenizer():
                 return
             if time.monotonic() - beat >= self.settings.heartbeat_s:
@@ -273,6 +282,8 @@ class Batcher:
         for rank in changes.joined:
             log.info("rank %d joined (%s)", rank, self.registry.incarnation(rank))
             join_rank(self.state, rank)
+        if self.settings.expert_parallel and (changes.lost or changes.joined):
+            self.regroup = True
         if changes.joined:
             packs = all(self.registry.packs.get(r, False) for r in self.state.ranks)
             self.state.config = replace(

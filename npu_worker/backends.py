@@ -43,7 +43,7 @@ class EagerBackend:
         self.model, self.cache = model, cache
 
     def run(self, launch: LaunchInputs) -> LaunchOutput:
-        return self.model.forward(launch, self.cache)
+        return self.model(launch, self.cache)
 
     def draft(self, launch: LaunchInputs, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.draft(launch, hidden, self.cache)
@@ -114,7 +114,7 @@ class CudaGraphBackend:
         )
         static_hidden = torch.zeros_like(hidden) if hidden is not None else None
         call: Callable[[], Any] = (
-            (lambda: self.model.forward(static, self.cache))
+            (lambda: self.model(static, self.cache))
             if program == "forward"
             else (lambda: self.model.draft(static, static_hidden, self.cache))  # type: ignore[arg-type]
         )

@@ -21,7 +21,9 @@ import redis
 from prometheus_client import CollectorRegistry
 
 from npu_worker.engine import RankEngine
+from npu_worker.expert_parallel import LOOPBACK, ExpertParallel, Rendezvous
 from npu_worker.models.config import UnsupportedModel
+from npu_worker.models.deepseek_v3 import DeepseekV3CausalLM
 from npu_worker.models.presets import load_for
 from npu_worker.output.process import OutputProcess
 from npu_worker.plans import PlanReader
@@ -62,6 +64,7 @@ class Worker:
         self.engine: RankEngine | None = None
         self.metrics: RankMetrics | None = None
         self.refused: str | None = None  # the batcher's reason for refusing this rank
+        self.experts: ExpertParallel | None = None
 
     def run(self) -> None:
         """Load, warm up, announce ready, then execute plans until stopped.
@@ -145,7 +148,8 @@ class Worker:
     def _load(self) -> RankEngine:
         settings = self.settings
         progress = rank_hash_reporter(self.redis, self.rank_key)
-        loaded = load_for(settings, progress)
+        expert_rank = (self.rank, settings.ranks) if settings.expert_parallel else None
+        loaded = load_for(settings, progress, expert_rank)
         device = loaded.device
         if self.rank == 0:
             pipe = self.redis.pipeline(transaction=False)
@@ -174,7 +178,19 @@ class Worker:
                 RankField.SHAPES: runner.shapes.encode(),
             },
         )
-        runner.warm_up(progress)
+        runner.warm_up(progress)  # experts stay local until the first epoch forms the group
+        if settings.expert_parallel and isinstance(loaded.model, DeepseekV3CausalLM):
+            rendezvous = Rendezvous(
+                self.redis,
+                self.keys,
+                settings.pool,
+                self.rank,
+                settings.ranks,
+                device,
+                settings.collective_timeout_s,
+                settings.rendezvous_host or LOOPBACK,
+            )
+            self.experts = ExpertParallel(rendezvous, loaded.model)
         self.tokenizer = loaded.tokenizer
         return RankEngine(
             runner,
@@ -196,7 +212,17 @@ class Worker:
         plan, waited_s = plans.next(timeout_s=0.5)
         if plan is None or plan.incarnation != self.incarnation or plan.epoch < engine.epoch:
             return
-        output.send(engine.execute(plan, idle_ms=waited_s * 1000))
+        if self.experts is None:
+            output.send(engine.execute(plan, idle_ms=waited_s * 1000))
+        else:
+            try:
+                self.experts.join(plan.epoch)
+                record = engine.execute(plan, idle_ms=waited_s * 1000)
+            except RuntimeError as exc:  # a peer died or hung mid-collective
+                self.experts.fail(exc)
+                self.fenced.set()
+                return
+            output.send(record)
         if self.metrics is not None:
             self.metrics.step(engine.shapes, engine.runner.launch_seconds)
 

@@ -73,6 +73,21 @@ class Settings(BaseSettings):
     )
     mtp: bool = Field(default=False, description="decode with MTP drafts (K=1)")
     lockstep: bool = Field(default=False, description="every rank runs the same launches")
+    expert_parallel: bool = Field(
+        default=False,
+        description="split a mixture-of-experts model's routed experts over the ranks "
+        "(collectives in every launch; implies lockstep)",
+    )
+    collective_timeout_s: float = Field(
+        default=30.0,
+        gt=0.0,
+        description="expert parallelism: a rendezvous or collective that takes longer fails",
+    )
+    rendezvous_host: str | None = Field(
+        default=None,
+        description="expert parallelism: the address other ranks reach rank 0 at; "
+        "default: loopback (every rank on one host)",
+    )
     max_inflight_steps: int = Field(
         default=4, ge=1, le=8, description="most steps dispatched ahead (two always)"
     )
@@ -110,6 +125,8 @@ class Settings(BaseSettings):
             )
         if self.dtype == "float64" and self.device not in ("cpu", "auto"):
             raise ValueError(f"dtype float64 is for the CPU only, not device={self.device}")
+        if self.expert_parallel:
+            self.lockstep = True  # collectives in every launch: every rank runs them all
         return self
 
     @property
@@ -127,6 +144,7 @@ class Settings(BaseSettings):
             num_slots=self.kv_slots_per_rank,
             max_kv_len=self.max_kv_len,
             mtp=self.mtp,
+            expert_parallel=self.expert_parallel,
         )
 
     def service_args(self) -> list[str]:

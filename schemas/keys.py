@@ -119,6 +119,10 @@ class Keys:
         """String holding the model's chat template as JSON, published by rank 0."""
         return f"{self.ns}:pool:{pool}:chat_template"
 
+    def rendezvous(self, pool: str) -> str:
+        """Hash where rank 0 of an expert-parallel pool publishes its group's address."""
+        return f"{self.ns}:pool:{pool}:rendezvous"
+
     def lease(self, pool: str) -> str:
         """The pool batcher's lease (string with a TTL)."""
         return f"{self.ns}:pool:{pool}:lease"

@@ -88,6 +88,7 @@ class LaunchShapes:
     num_slots: int  # KV slots
     max_kv_len: int  # KV positions per slot
     mtp: bool  # decode launches verify drafts (BxS2)
+    expert_parallel: bool = False  # launches run the experts' collectives with every rank
 
     def encode(self) -> str:
         """The `shapes` field of a rank's hash."""

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from npu_worker.models.config import UnsupportedModel, eos_ids
-from npu_worker.models.launch import KVCache, LaunchInputs, LaunchOutput
+from npu_worker.models.launch import KVCache, LaunchInputs, LaunchModel, LaunchOutput
 from npu_worker.models.layers import RMSNorm, attend, cached_keys, rotate_half, rotate_interleaved
 from npu_worker.models.moe import ExpertGroup, GatedMLP, LocalExperts, routed_output
 
@@ -372,7 +372,7 @@ class MTPLayer(nn.Module):
         self.shared_head = SharedHead(config)
 
 
-class DeepseekV3CausalLM(nn.Module):
+class DeepseekV3CausalLM(LaunchModel):
     """Decoder + LM head (+ the MTP layer); each call runs one fixed-shape launch."""
 
     def __init__(
@@ -392,6 +392,7 @@ class DeepseekV3CausalLM(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
+    mtp: MTPLayer | None
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
 

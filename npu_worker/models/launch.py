@@ -4,9 +4,9 @@ outputs, and the static KV cache it reads and writes (docs/architecture.md §2).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
+from torch import nn
 
 
 @dataclass(slots=True)
@@ -95,23 +95,21 @@ class KVCache:
         return self.max_kv_len
 
 
-class LaunchModel(Protocol):
+class LaunchModel(nn.Module):
     """What the runner and its backends need of an architecture's model: its static cache,
-    one launch at a fixed shape, and (with an MTP module) the draft over a launch."""
+    one launch at a fixed shape, and (with an MTP module) the draft over a launch. Every
+    architecture's model derives from it."""
 
-    @property
-    def mtp(self) -> torch.nn.Module | None:
-        """The MTP module, if the model was built with one."""
-        ...
+    mtp: nn.Module | None
 
     def new_cache(self, num_slots: int, max_kv_len: int) -> KVCache:
         """The cache every launch of this model reads and writes, allocated once."""
-        ...
+        raise NotImplementedError
 
     def forward(self, launch: LaunchInputs, cache: KVCache) -> LaunchOutput:
         """Run one launch: write its K/V, return logits at `logit_index` and hidden states."""
-        ...
+        raise NotImplementedError
 
     def draft(self, launch: LaunchInputs, hidden: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """MTP logits for a launch whose tokens follow the hidden states `hidden`."""
-        ...
+        raise NotImplementedError

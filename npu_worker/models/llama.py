@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from npu_worker.models.config import ModelConfig
-from npu_worker.models.launch import KVCache, LaunchInputs, LaunchOutput
+from npu_worker.models.launch import KVCache, LaunchInputs, LaunchModel, LaunchOutput
 from npu_worker.models.layers import (
     RMSNorm,
     attend,
@@ -121,7 +121,7 @@ class MTPModule(nn.Module):
         return self.norm(self.layer(x, cos, sin, launch, cache))
 
 
-class CausalLM(nn.Module):
+class CausalLM(LaunchModel):
     """Decoder + LM head (+ the optional MTP module); each call runs one fixed-shape launch."""
 
     def __init__(self, config: ModelConfig, max_positions: int, with_mtp: bool = False) -> None:

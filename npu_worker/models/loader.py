@@ -13,6 +13,7 @@ from npu_worker.models import deepseek_v3
 from npu_worker.models.config import ModelConfig, UnsupportedModel
 from npu_worker.models.deepseek_v3 import DeepseekV3CausalLM, DeepseekV3Config
 from npu_worker.models.llama import CausalLM
+from npu_worker.models.moe import expert_share
 from npu_worker.models.weights import read_weights
 
 DTYPES = {
@@ -56,13 +57,14 @@ def load_model(
     device: torch.device,
     max_kv_len: int,
     mtp: bool = False,
-    experts: range | None = None,
+    expert_rank: tuple[int, int] | None = None,
 ) -> LoadedModel:
     """Build the model from `path` and load its weights; raises UnsupportedModel with the reason.
 
     With `mtp`, the checkpoint's MTP module (`mtp.*`, `num_nextn_predict_layers: 1`) is
-    loaded too; without it, MTP weights are ignored. `experts` is the share of routed
-    experts this rank holds (expert parallelism; None: all): only their tensors are read.
+    loaded too; without it, MTP weights are ignored. With `expert_rank` (rank, ranks:
+    expert parallelism) the rank holds its share of the routed experts and reads only
+    their tensors.
     """
     config = model_config(path)
     if mtp and config.mtp_layers != 1:
@@ -70,8 +72,9 @@ def load_model(
             f"{path}: --mtp needs an MTP module with num_nextn_predict_layers: 1 "
             f"(config has {config.mtp_layers})"
         )
+    experts = None
     if isinstance(config, ModelConfig):
-        if experts is not None:
+        if expert_rank is not None:
             raise UnsupportedModel(
                 f"{path}: --expert-parallel needs a mixture-of-experts model; "
                 f"{config.architecture} is dense"
@@ -81,6 +84,11 @@ def load_model(
                 f"{path}: sliding-window attention ({config.sliding_window} tokens) is not "
                 f"supported; use --max-model-len {config.sliding_window} or less"
             )
+    elif expert_rank is not None:
+        try:
+            experts = expert_share(config.n_routed_experts, *expert_rank)
+        except ValueError as exc:
+            raise UnsupportedModel(f"{path}: {exc}") from exc
     tokenizer_path = path / "tokenizer.json"
     if not tokenizer_path.exists():
         raise UnsupportedModel(f"{path} has no tokenizer.json")

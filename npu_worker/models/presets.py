@@ -34,8 +34,13 @@ def resolve_model_dir(model: str, progress: ReportProgress = no_progress) -> Pat
     return path
 
 
-def load_for(settings: Settings, progress: ReportProgress = no_progress) -> LoadedModel:
-    """The configured model on the configured device (CPU threads sized per rank)."""
+def load_for(
+    settings: Settings,
+    progress: ReportProgress = no_progress,
+    expert_rank: tuple[int, int] | None = None,
+) -> LoadedModel:
+    """The configured model on the configured device (CPU threads sized per rank); with
+    `expert_rank` (rank, ranks), this rank's share of the experts."""
     from npu_worker.devices import resolve_device, set_cpu_threads
 
     device = resolve_device(settings.device)
@@ -47,4 +52,5 @@ def load_for(settings: Settings, progress: ReportProgress = no_progress) -> Load
         device,
         settings.max_kv_len,
         mtp=settings.mtp,
+        expert_rank=expert_rank,
     )

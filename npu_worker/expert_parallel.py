@@ -1,0 +1,173 @@
+"""Expert parallelism across a pool's ranks: the process group, found through the pool's
+Redis, and the collectives a mixture-of-experts launch runs in it (docs/architecture.md §4a).
+
+Ranks form a group per batcher epoch: when a rank's first plan of a new epoch arrives, rank
+0 opens a `torch.distributed` store on a free port and publishes its address with the
+epoch on the pool's rendezvous hash; the other ranks wait for that epoch's address and
+join. A rank that dies or hangs makes the others' next collective fail (at once for a
+closed connection, after `collective_timeout_s` for a hung peer); they drop their requests
+and register anew, the batcher opens a new epoch, every rank forms the group again and the
+requests resume from their streams. gloo on the CPU, NCCL on CUDA, HCCL on Ascend.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import time
+from typing import Protocol, cast
+
+import redis
+import torch
+import torch.distributed as dist
+
+from npu_worker.models.moe import ExpertGroup, LocalExperts
+from schemas.keys import Keys
+
+log = logging.getLogger("npu_pool.worker")
+LOOPBACK = "127.0.0.1"
+
+
+class RendezvousTimeout(RuntimeError):
+    """The group's other ranks did not all come within the timeout."""
+
+
+def backend_for(device: torch.device) -> str:
+    """The collective backend of a device type."""
+    return {"cuda": "nccl", "npu": "hccl"}.get(device.type, "gloo")
+
+
+class ProcessGroupExperts:
+    """An ExpertGroup over a formed `torch.distributed` group of the pool's ranks."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size = rank, size
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's `x`, stacked in rank order."""
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts)
+
+    def combine(self, partial: torch.Tensor) -> torch.Tensor:
+        """Each rank's partial outputs of this rank's tokens, summed in rank order."""
+        received = [torch.empty_like(p) for p in partial.chunk(self.size)]
+        dist.all_to_all(received, [p.contiguous() for p in partial.chunk(self.size)])
+        out = received[0].clone()
+        for part in received[1:]:
+            out += part
+        return out
+
+
+class Rendezvous:
+    """Forms (and re-forms) this rank's process group, through the pool's Redis."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: Keys,
+        pool: str,
+        rank: int,
+        size: int,
+        device: torch.device,
+        timeout_s: float,
+        host: str = LOOPBACK,
+    ) -> None:
+        self.client, self.key = client, keys.rendezvous(pool)
+        self.rank, self.size = rank, size
+        self.backend = backend_for(device)
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.host = host
+        self.store: dist.TCPStore | None = None  # rank 0 hosts it; kept while the group lives
+        self.generation: int | None = None
+        if host == LOOPBACK:  # every rank on this host: gloo's own sockets stay on loopback
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+    def form(self, generation: int) -> ProcessGroupExperts:
+        """The group of `generation` (a batcher epoch), every rank in it; raises
+        RendezvousTimeout if the others do not all join in time."""
+        self.leave()
+        if self.rank == 0:
+            self.store = dist.TCPStore(
+                self.host,
+                0,
+                self.size,
+                is_master=True,
+                timeout=self.timeout,
+                wait_for_workers=False,
+            )
+            address = f"{self.host}:{self.store.port}"
+            self.client.hset(self.key, mapping={"generation": generation, "address": address})
+            store = self.store
+        else:
+            store = dist.TCPStore(
+                *self._address(generation), self.size, is_master=False, timeout=self.timeout
+            )
+        try:
+            dist.init_process_group(
+                self.backend,
+                store=dist.PrefixStore(f"generation-{generation}/", store),
+                rank=self.rank,
+                world_size=self.size,
+                timeout=self.timeout,
+            )
+        except (RuntimeError, ValueError) as exc:
+            raise RendezvousTimeout(
+                f"expert-parallel group {generation} did not form: {exc}"
+            ) from exc
+        self.generation = generation
+        log.info(
+            "rank %d in expert-parallel group %d of %d ranks", self.rank, generation, self.size
+        )
+        return ProcessGroupExperts(self.rank, self.size)
+
+    def leave(self) -> None:
+        """Tear down the current group, if any (after a failed collective, or to re-form)."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.generation = None
+
+    def _address(self, generation: int) -> tuple[str, int]:
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while time.monotonic() < deadline:
+            found = cast(list[bytes | None], self.client.hmget(self.key, ["generation", "address"]))
+            if found[0] is not None and int(found[0]) == generation and found[1]:
+                host, port = found[1].decode().rsplit(":", 1)
+                return host, int(port)
+            time.sleep(0.05)
+        raise RendezvousTimeout(
+            f"rank 0 published no address for expert-parallel group {generation} within "
+            f"{self.timeout.total_seconds():.0f}s"
+        )
+
+
+class SplitsExperts(Protocol):
+    """A model whose routed experts can be split over an ExpertGroup."""
+
+    def use_experts(self, group: ExpertGroup) -> None:
+        """Run the experts' collectives in `group` (LocalExperts: none)."""
+        ...
+
+
+class ExpertParallel:
+    """A rank's side of expert parallelism: the group of the current epoch, and what a
+    failed collective leaves (no group, the rank re-registers)."""
+
+    def __init__(self, rendezvous: Rendezvous, model: SplitsExperts) -> None:
+        self.rendezvous, self.model = rendezvous, model
+
+    def join(self, epoch: int) -> None:
+        """Be in the group of `epoch` before running its plans (forming it on its first)."""
+        if self.rendezvous.generation != epoch:
+            self.model.use_experts(LocalExperts())
+            self.model.use_experts(self.rendezvous.form(epoch))
+
+    def fail(self, exc: BaseException) -> None:
+        """A collective (or the rendezvous) failed: leave the group; the caller drops its
+        requests and registers anew, so the batcher forms a new epoch."""
+        log.warning(
+            "rank %d: expert-parallel step failed (%s); re-forming", self.rendezvous.rank, exc
+        )
+        self.rendezvous.leave()
+        self.model.use_experts(LocalExperts())
