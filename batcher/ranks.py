@@ -38,6 +38,7 @@ class RankChanges:
     lost: list[int] = field(default_factory=list)
     joined: list[int] = field(default_factory=list)
     refused: list[tuple[int, str]] = field(default_factory=list)  # (rank, why)
+    vanished: set[int] = field(default_factory=set)  # lost ranks that are not alive at all
 
 
 class RankRegistry:
@@ -83,6 +84,8 @@ class RankRegistry:
             if known is not None and (not alive or incarnation != known):
                 self.lose(rank)
                 changes.lost.append(rank)
+                if not alive:
+                    changes.vanished.add(rank)
                 known = None
             if known is None and alive and incarnation and incarnation not in self.retired:
                 why = self._shapes_differ(info)

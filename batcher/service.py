@@ -166,7 +166,7 @@ class Batcher:
 
     def _tick(self) -> None:
         if self.regroup:  # expert parallelism: a rank left or came, the group must re-form
-            self._start_epoch()
+            self._start_epoch(regroup=True)
             return
         now = time.monotonic()
         if now - self.last_housekeeping >= self.settings.heartbeat_s:
@@ -196,9 +196,16 @@ class Batcher:
 
     # -- epochs ---------------------------------------------------------------------------
 
-    def _start_epoch(self) -> None:
-        """Register, wait for ranks, fence them, and resume every entry this pool holds."""
-        self._reset()
+    def _start_epoch(self, regroup: bool = False) -> None:
+        """Register, wait for ranks, fence them, and resume every entry this pool holds.
+
+        A regroup (expert parallelism: a rank left or came back) keeps the requests it
+        holds: they give up their slots and resume from their streams once every rank is in
+        the new epoch's group; only those of a rank that died are charged a delivery."""
+        if regroup:
+            self._requeue_all()
+        else:
+            self._reset()
         ensure_groups(self.redis, self.keys)
         self._publish_limits()
         pool_key = self.keys.pool(self.pool)
@@ -223,7 +230,7 @@ class Batcher:
         while self.channel.inflight and not self.stopping:
             self._collect(block_ms=200)
             self._poll_ranks()
-        deliveries = claim_own_pending(self.redis, self.keys, self.pool)
+        deliveries = [] if regroup else claim_own_pending(self.redis, self.keys, self.pool)
         self.book.resume_own(deliveries)
         self._set_state(BatcherState.READY)
         log.info(
@@ -233,6 +240,16 @@ class Batcher:
             sorted(self.state.ranks),
             len(deliveries),
         )
+
+    def _requeue_all(self) -> None:
+        """Every rank gives its requests back (they resume after what they published) and
+        waits to be planned for again."""
+        for rank in sorted(self.state.ranks):
+            self.channel.lose_rank(rank)
+            moved = lose_rank(self.state, rank)
+            self.book.requeue([self.book.tracked[s.request_id] for s in moved])
+        for rank in self.registry.live:
+            join_rank(self.state, rank)
 
     def _wait_for_ranks(self) -> None:
         """Until every rank is up, or at least one is and a rank timeout has passed."""
@@ -278,7 +295,10 @@ class Batcher:
             log.warning("rank %d lost; moving its requests", rank)
             self.channel.lose_rank(rank)
             lost = lose_rank(self.state, rank)
-            self.book.requeue([self.book.tracked[s.request_id] for s in lost], rank_died=True)
+            # expert parallelism: the ranks that re-registered after a failed collective
+            # lost their requests through no fault of theirs
+            died = not self.settings.expert_parallel or rank in changes.vanished
+            self.book.requeue([self.book.tracked[s.request_id] for s in lost], rank_died=died)
         for rank in changes.joined:
             log.info("rank %d joined (%s)", rank, self.registry.incarnation(rank))
             join_rank(self.state, rank)

@@ -16,7 +16,7 @@ import datetime
 import logging
 import os
 import time
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 import redis
 import torch
@@ -39,25 +39,40 @@ def backend_for(device: torch.device) -> str:
 
 
 class ProcessGroupExperts:
-    """An ExpertGroup over a formed `torch.distributed` group of the pool's ranks."""
+    """An ExpertGroup over a formed process group of the pool's ranks."""
 
-    def __init__(self, rank: int, size: int) -> None:
-        self.rank, self.size = rank, size
+    def __init__(self, group: Any, rank: int, size: int) -> None:  # a c10d backend
+        self.group, self.rank, self.size = group, rank, size
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's `x`, stacked in rank order."""
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous())
+        self.group.allgather([parts], [x.contiguous()]).wait()
         return torch.cat(parts)
 
     def combine(self, partial: torch.Tensor) -> torch.Tensor:
         """Each rank's partial outputs of this rank's tokens, summed in rank order."""
-        received = [torch.empty_like(p) for p in partial.chunk(self.size)]
-        dist.all_to_all(received, [p.contiguous() for p in partial.chunk(self.size)])
+        chunks = [p.contiguous() for p in partial.chunk(self.size)]
+        received = [torch.empty_like(p) for p in chunks]
+        self.group.alltoall(received, chunks).wait()
         out = received[0].clone()
         for part in received[1:]:
             out += part
         return out
+
+
+def process_group(
+    backend: str, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta
+) -> Any:
+    """A process group of its own (not torch's global default group, whose hidden counters
+    would differ between a rank that re-formed groups and one that just started)."""
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, options)
+    raise ValueError(f"expert parallelism over {backend} is not supported yet (gloo, nccl)")
 
 
 class Rendezvous:
@@ -81,6 +96,7 @@ class Rendezvous:
         self.host = host
         self.store: dist.TCPStore | None = None  # rank 0 hosts it; kept while the group lives
         self.generation: int | None = None
+        self.group: Any = None  # the c10d backend of the current generation
         if host == LOOPBACK:  # every rank on this host: gloo's own sockets stay on loopback
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
@@ -105,27 +121,26 @@ class Rendezvous:
                 *self._address(generation), self.size, is_master=False, timeout=self.timeout
             )
         try:
-            dist.init_process_group(
+            group = process_group(
                 self.backend,
-                store=dist.PrefixStore(f"generation-{generation}/", store),
-                rank=self.rank,
-                world_size=self.size,
-                timeout=self.timeout,
+                dist.PrefixStore(f"generation-{generation}/", store),
+                self.rank,
+                self.size,
+                self.timeout,
             )
-        except (RuntimeError, ValueError) as exc:
+        except RuntimeError as exc:
             raise RendezvousTimeout(
                 f"expert-parallel group {generation} did not form: {exc}"
             ) from exc
-        self.generation = generation
+        self.generation, self.group = generation, group
         log.info(
             "rank %d in expert-parallel group %d of %d ranks", self.rank, generation, self.size
         )
-        return ProcessGroupExperts(self.rank, self.size)
+        return ProcessGroupExperts(group, self.rank, self.size)
 
     def leave(self) -> None:
-        """Tear down the current group, if any (after a failed collective, or to re-form)."""
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        """Drop the current group, if any (after a failed collective, or to re-form)."""
+        self.group = None
         self.generation = None
 
     def _address(self, generation: int) -> tuple[str, int]:

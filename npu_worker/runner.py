@@ -134,9 +134,10 @@ class LaunchRunner:
         size = self.prefill_chunk
         if not 0 < len(token_ids) <= size or start % size:
             raise ValueError(f"bad prefill chunk: {len(token_ids)} tokens at start {start}")
+        padding = size - len(token_ids)  # padding tokens write the scratch position only
         launch = LaunchInputs(
-            input_ids=self._tensor([token_ids + [0] * (size - len(token_ids))]),
-            positions=self._tensor([list(range(start, start + size))]),
+            input_ids=self._tensor([token_ids + [0] * padding]),
+            positions=self._positions(start, len(token_ids), padding),
             slot_ids=self._tensor([slot]),
             logit_index=self._tensor([[len(token_ids) - 1]]),
             span=start + size,
@@ -157,9 +158,10 @@ class LaunchRunner:
         sampled first token for the prompt's last position.
         """
         size = self.prefill_chunk
+        padding = size - len(next_ids)
         launch = LaunchInputs(
-            input_ids=self._tensor([next_ids + [0] * (size - len(next_ids))]),
-            positions=self._tensor([list(range(start, start + size))]),
+            input_ids=self._tensor([next_ids + [0] * padding]),
+            positions=self._positions(start, len(next_ids), padding),
             slot_ids=self._tensor([slot]),
             logit_index=self._tensor([[len(next_ids) - 1]]),
             span=start + size,
@@ -385,6 +387,11 @@ class LaunchRunner:
         if rows == list(range(first, first + len(rows))):
             return logits[first : first + len(rows)]
         return logits[self._tensor(rows)]
+
+    def _positions(self, start: int, num_tokens: int, padding: int) -> torch.Tensor:
+        """[1, S] positions of a chunk's tokens, then its padding at the scratch position."""
+        scratch = self.cache.scratch_position
+        return self._tensor([list(range(start, start + num_tokens)) + [scratch] * padding])
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -145,6 +145,7 @@ class Settings(BaseSettings):
             max_kv_len=self.max_kv_len,
             mtp=self.mtp,
             expert_parallel=self.expert_parallel,
+            model=self.model,
         )
 
     def service_args(self) -> list[str]:

@@ -80,7 +80,8 @@ class PoolField:
 
 @dataclass(frozen=True, slots=True)
 class LaunchShapes:
-    """The fixed shapes a rank runs, which the pool's planner must plan for exactly."""
+    """The fixed shapes a rank runs, and the model it runs them on, which the pool's
+    planner must plan for exactly."""
 
     decode_batch: int  # rows per decode launch (B of BxS1, or of BxS2 with MTP)
     prefill_chunk: int  # tokens per prefill launch (S of B1xS)
@@ -89,6 +90,7 @@ class LaunchShapes:
     max_kv_len: int  # KV positions per slot
     mtp: bool  # decode launches verify drafts (BxS2)
     expert_parallel: bool = False  # launches run the experts' collectives with every rank
+    model: str = ""  # the `--model` the rank serves, as given
 
     def encode(self) -> str:
         """The `shapes` field of a rank's hash."""

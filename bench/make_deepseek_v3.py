@@ -1,0 +1,177 @@
+"""A small random DeepSeek-V3 checkpoint written by `transformers` (a test and bench
+dependency), with the tiny model's byte-level tokenizer, for the tests and `npu-pool bench`:
+
+    python -m bench.make_deepseek_v3 DIR [--no-q-lora] [--mtp] [--fp8] [--experts 8] [--layers 3]
+
+Weights are scaled up so greedy top-1/top-2 logit margins are clear (a random model's are
+near 3e-4) and the router's correction bias is random, so routing is not uniform. With
+`--mtp` the checkpoint also gets an MTP layer (`model.layers.{num_hidden_layers}.*`: a
+MoE decoder block, `enorm`, `hnorm`, `eh_proj`, `shared_head`), which `transformers` itself
+neither builds nor saves. With `--fp8` every projection is stored as float8 e4m3 with
+128x128 block scales (`weight_scale_inv`), as DeepSeek releases its weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from npu_worker.models.tiny import ensure_tiny_model
+
+VOCAB_SIZE = 512  # the tiny tokenizer's
+FP8_BLOCK = 128
+FP8_MAX = 448.0  # largest finite float8 e4m3 value
+
+
+def config(q_lora: bool = True, experts: int = 8, layers: int = 3, **extra: Any) -> Any:
+    """The checkpoint's `DeepseekV3Config`: every V3 feature present (q LoRA or not, YaRN,
+    grouped routing, shared experts, a dense first layer)."""
+    values: dict[str, Any] = {
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "q_lora_rank": 24 if q_lora else None,
+        "kv_lora_rank": 16,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "n_routed_experts": experts,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "n_group": 4,
+        "topk_group": 2,
+        "first_k_dense_replace": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "max_position_embeddings": 2048,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 512,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "num_nextn_predict_layers": 1,
+    }
+    values.update(extra)
+    return transformers.DeepseekV3Config(**values)
+
+
+def build(
+    out: Path,
+    q_lora: bool = True,
+    mtp: bool = False,
+    fp8: bool = False,
+    experts: int = 8,
+    layers: int = 3,
+    seed: int = 0,
+) -> torch.nn.Module:
+    """Write the checkpoint to `out`; returns the `transformers` model (float32)."""
+    torch.manual_seed(seed)
+    model = transformers.DeepseekV3ForCausalLM(config(q_lora, experts, layers)).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" not in name:
+                param.mul_(4.0)
+        for module in model.modules():
+            bias = getattr(module, "e_score_correction_bias", None)
+            if isinstance(bias, torch.Tensor):
+                bias.normal_(0.0, 0.1)
+    shutil.rmtree(out, ignore_errors=True)
+    model.save_pretrained(out)
+    shutil.copy(ensure_tiny_model() / "tokenizer.json", out / "tokenizer.json")
+    state = load_file(str(out / "model.safetensors"))
+    if mtp:
+        state.update(mtp_layer(q_lora, experts, layers, seed))
+    if fp8:
+        state = quantized(state)
+        raw = json.loads((out / "config.json").read_text())
+        raw["quantization_config"] = {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+        }
+        (out / "config.json").write_text(json.dumps(raw, indent=2))
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return model
+
+
+def mtp_layer(q_lora: bool, experts: int, layers: int, seed: int) -> dict[str, torch.Tensor]:
+    """Random MTP-layer tensors under `model.layers.{layers}.*`: the block of a deeper model
+    (a MoE layer), `enorm`, `hnorm`, `eh_proj` and `shared_head` (norm and head)."""
+    torch.manual_seed(seed + 1)
+    deeper = transformers.DeepseekV3ForCausalLM(config(q_lora, experts, layers + 1)).eval()
+    with tempfile.TemporaryDirectory() as saved:  # saved as checkpoints name experts
+        deeper.save_pretrained(saved)
+        saved_state = load_file(str(Path(saved) / "model.safetensors"))
+    prefix = f"model.layers.{layers}."
+    state = {}
+    for name, tensor in saved_state.items():
+        if name.startswith(prefix):
+            scale = 1.0 if "norm" in name or "e_score" in name else 4.0
+            state[name] = (tensor * scale).contiguous()
+    hidden = deeper.config.hidden_size
+    state[prefix + "enorm.weight"] = torch.ones(hidden)
+    state[prefix + "hnorm.weight"] = torch.ones(hidden)
+    state[prefix + "eh_proj.weight"] = torch.randn(hidden, 2 * hidden) * (2 * hidden) ** -0.5
+    state[prefix + "shared_head.norm.weight"] = torch.ones(hidden)
+    state[prefix + "shared_head.head.weight"] = torch.randn(VOCAB_SIZE, hidden) * 0.08
+    state[prefix + "embed_tokens.weight"] = deeper.model.embed_tokens.weight.detach().clone()
+    return state
+
+
+def quantized(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every projection weight as float8 e4m3 with per-128x128-block `weight_scale_inv`
+    (the rest — embeddings, norms, the router — kept as they are)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if not (name.endswith("proj.weight") or name.endswith("proj_with_mqa.weight")):
+            out[name] = tensor
+            continue
+        rows, cols = tensor.shape
+        blocks_r, blocks_c = -(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK)
+        padded = torch.zeros(blocks_r * FP8_BLOCK, blocks_c * FP8_BLOCK)
+        padded[:rows, :cols] = tensor
+        tiles = padded.view(blocks_r, FP8_BLOCK, blocks_c, FP8_BLOCK)
+        scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
+        scaled = (tiles / scale[:, None, :, None]).view_as(padded)[:rows, :cols]
+        out[name] = scaled.to(torch.float8_e4m3fn)
+        out[name + "_scale_inv"] = scale.float()
+    return out
+
+
+def main() -> None:
+    """Write the checkpoint named on the command line."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--no-q-lora", action="store_true", help="one q_proj (V2-Lite form)")
+    parser.add_argument("--mtp", action="store_true", help="add an MTP layer")
+    parser.add_argument("--fp8", action="store_true", help="store projections as FP8 blocks")
+    parser.add_argument("--experts", type=int, default=8, help="routed experts per layer")
+    parser.add_argument("--layers", type=int, default=3, help="decoder layers")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    build(args.out, not args.no_q_lora, args.mtp, args.fp8, args.experts, args.layers, args.seed)
+    print(args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,269 @@
+"""DeepSeek-V3 (docs/architecture.md §4a, §8): tiny random checkpoints written by
+`transformers` are served with the tokens of `transformers`' own greedy `generate`; split
+over two ranks with expert parallelism they give the tokens of one rank; MTP changes no
+greedy token and keeps the sampled distribution; an FP8 block-quantized copy loads as its
+dequantized weights; bad expert-parallel configurations fail at start, with a reason."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from npu_worker.models.deepseek_v3 import DeepseekV3CausalLM
+from npu_worker.models.loader import load_model
+from npu_worker.runner import LaunchRunner
+from producer.client import Client
+from producer.status import PoolFailed, collect_status
+from schemas.keys import Keys
+from tests.conftest import StartPool
+from tests.helpers import (
+    TIE_TOLERANCE,
+    check_stream,
+    launch_shapes,
+    random_prompt,
+    wait_until,
+)
+from tests.reference import ReferenceCompletion, first_divergence, generate_alone
+
+make = pytest.importorskip("bench.make_deepseek_v3")
+MAX_MODEL_LEN = 512
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The checkpoints of this file: with q LoRA and an MTP layer, without q LoRA, FP8."""
+    root = tmp_path_factory.mktemp("deepseek")
+    made = {"q_lora": root / "q_lora", "plain": root / "plain", "fp8": root / "fp8"}
+    make.build(made["q_lora"], q_lora=True, mtp=True)
+    make.build(made["plain"], q_lora=False)
+    make.build(made["fp8"], q_lora=True, fp8=True)
+    return made
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int], max_tokens: int) -> ReferenceCompletion:
+    """transformers' greedy generate at batch size 1, with each step's top-2 gap."""
+    out = model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=max_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
+    gaps = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
+    return ReferenceCompletion(out.sequences[0, len(prompt) :].tolist(), gaps)
+
+
+def lone(path: Path, prompts: list[list[int]], max_tokens: int) -> list[ReferenceCompletion]:
+    """Each prompt run alone on one rank holding every expert, no MTP."""
+    loaded = load_model(path, "auto", torch.device("cpu"), MAX_MODEL_LEN)
+    runner = LaunchRunner(loaded.model, launch_shapes(1, MAX_MODEL_LEN, 128, 1))
+    return [generate_alone(runner, p, max_tokens, set(), MAX_MODEL_LEN) for p in prompts]
+
+
+@pytest.mark.parametrize("kind", ["q_lora", "plain"])
+def test_greedy_tokens_equal_transformers_generate(
+    kind: str, checkpoints: dict[str, Path], start_pool: StartPool, client: Client
+) -> None:
+    import transformers
+
+    path = checkpoints[kind]
+    model = transformers.DeepseekV3ForCausalLM.from_pretrained(path).eval()
+    start_pool(model=str(path), ranks=1, decode_batch=4, max_model_len=MAX_MODEL_LEN)
+    rng = random.Random(11)
+    prompts = [random_prompt(rng, n, make.VOCAB_SIZE) for n in (20, 150, 300)]
+    ids = [client.submit(prompt_token_ids=p, max_tokens=48, ignore_eos=True) for p in prompts]
+    for request_id, prompt in zip(ids, prompts):
+        tokens = check_stream(list(client.stream(request_id, timeout_s=120)))
+        problem = first_divergence(tokens, hf_greedy(model, prompt, 48), TIE_TOLERANCE)
+        assert problem is None, f"{kind}, prompt of {len(prompt)}: {problem}"
+
+
+def test_expert_parallel_ranks_serve_48_concurrent_requests_as_one_rank_serves_each_alone(
+    checkpoints: dict[str, Path], start_pool: StartPool, client: Client, redis_client
+) -> None:
+    path = checkpoints["q_lora"]
+    start_pool(
+        model=str(path),
+        ranks=2,
+        expert_parallel=True,
+        decode_batch=8,
+        kv_slots_per_rank=24,
+        max_model_len=MAX_MODEL_LEN,
+    )
+    rng = random.Random(12)
+    cases = [(random_prompt(rng, rng.randint(3, 200), make.VOCAB_SIZE), 24) for _ in range(48)]
+    ids = [client.submit(prompt_token_ids=p, max_tokens=m, ignore_eos=True) for p, m in cases]
+    references = lone(path, [p for p, _ in cases], 24)
+    for request_id, reference, (prompt, _) in zip(ids, references, cases):
+        tokens = check_stream(list(client.stream(request_id, timeout_s=180)))
+        problem = first_divergence(tokens, reference, TIE_TOLERANCE)
+        assert problem is None, f"prompt of {len(prompt)}: {problem}"
+    groups = redis_client.hgetall(Keys().rendezvous("default"))
+    assert groups[b"generation"] and groups[b"address"]  # the ranks really formed a group
+
+
+def test_greedy_with_the_checkpoints_mtp_layer_equals_greedy_without(
+    checkpoints: dict[str, Path], start_pool: StartPool, client: Client
+) -> None:
+    path = checkpoints["q_lora"]
+    start_pool(
+        model=str(path),
+        ranks=2,
+        expert_parallel=True,
+        mtp=True,
+        decode_batch=4,
+        max_model_len=MAX_MODEL_LEN,
+    )
+    rng = random.Random(13)
+    prompts = [random_prompt(rng, n, make.VOCAB_SIZE) for n in (5, 40, 130, 260)]
+    ids = [client.submit(prompt_token_ids=p, max_tokens=40, ignore_eos=True) for p in prompts]
+    for request_id, reference in zip(ids, lone(path, prompts, 40)):
+        tokens = check_stream(list(client.stream(request_id, timeout_s=180)))
+        assert first_divergence(tokens, reference, TIE_TOLERANCE) is None
+
+    def mtp() -> dict:
+        return collect_status(client.redis, client.keys)["pools"][0]["mtp"]
+
+    wait_until(lambda: mtp()["proposed"] > 0, what="drafts counted")  # proposed, verified
+    print("DeepSeek-V3 MTP layer (random weights):", mtp())
+
+
+def test_sampled_tokens_with_the_mtp_layer_follow_the_same_distribution(
+    checkpoints: dict[str, Path],
+) -> None:
+    from tests.test_mtp import chi_square_ok, sample_paths
+
+    path = checkpoints["q_lora"]
+    plain = load_model(path, "auto", torch.device("cpu"), MAX_MODEL_LEN)
+    drafted = load_model(path, "auto", torch.device("cpu"), MAX_MODEL_LEN, mtp=True)
+    assert chi_square_ok(sample_paths(plain, 800, 0), sample_paths(drafted, 800, 100_000))
+
+
+def test_an_fp8_copy_loads_as_its_dequantized_weights(checkpoints: dict[str, Path]) -> None:
+    path = checkpoints["fp8"]
+    stored = load_file(str(path / "model.safetensors"))
+    loaded = load_model(path, "auto", torch.device("cpu"), MAX_MODEL_LEN)
+    weights = dict(loaded.model.named_parameters())
+    quantized = [k for k, v in stored.items() if v.dtype == torch.float8_e4m3fn]
+    assert len(quantized) > 20
+    for name in quantized:
+        fp8, scale = stored[name].float(), stored[name + "_scale_inv"]
+        want = torch.empty_like(fp8)
+        for i in range(scale.shape[0]):  # block by block, as the format defines it
+            for j in range(scale.shape[1]):
+                rows, cols = slice(128 * i, 128 * (i + 1)), slice(128 * j, 128 * (j + 1))
+                want[rows, cols] = fp8[rows, cols] * scale[i, j]
+        assert torch.equal(weights[name].detach(), want), name
+
+
+def test_a_quantization_format_other_than_fp8_blocks_fails_naming_it(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    import shutil
+
+    from npu_worker.models.config import UnsupportedModel
+
+    path = tmp_path / "int4"
+    shutil.copytree(checkpoints["plain"], path)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModel, match="quantization 'awq'.* not supported"):
+        load_model(path, "auto", torch.device("cpu"), MAX_MODEL_LEN)
+
+
+def test_an_expert_parallel_rank_reads_only_its_own_experts(checkpoints: dict[str, Path]) -> None:
+    path = checkpoints["q_lora"]
+    whole = load_model(path, "auto", torch.device("cpu"), MAX_MODEL_LEN)
+    half = load_model(path, "auto", torch.device("cpu"), MAX_MODEL_LEN, expert_rank=(1, 2))
+    assert isinstance(half.model, DeepseekV3CausalLM)
+    moe = half.model.moe_layers()[0]
+    assert sorted(int(e) for e in moe.experts) == [4, 5, 6, 7]
+    count = sum(p.numel() for p in half.model.parameters())
+    assert count < sum(p.numel() for p in whole.model.parameters())
+
+
+@pytest.mark.parametrize(
+    ("overrides", "reason"),
+    [
+        ({"model": "tiny"}, "--expert-parallel needs a mixture-of-experts model"),
+        ({"ranks": 3}, "8 routed experts do not divide over 3 expert-parallel ranks"),
+        ({"missing_expert": True}, "weights missing from the checkpoint"),
+    ],
+)
+def test_a_bad_expert_parallel_configuration_fails_the_pool_with_a_reason(
+    overrides: dict,
+    reason: str,
+    checkpoints: dict[str, Path],
+    start_pool: StartPool,
+    client: Client,
+    tmp_path: Path,
+) -> None:
+    path = checkpoints["plain"]
+    if overrides.pop("missing_expert", False):
+        path = without_expert(path, tmp_path / "missing", "model.layers.2.mlp.experts.5.")
+    settings = {"model": str(path), "ranks": 2, "expert_parallel": True, **overrides}
+    start_pool(wait=False, max_model_len=MAX_MODEL_LEN, **settings)
+    with pytest.raises(PoolFailed, match=reason):
+        client.wait_ready(timeout_s=120)
+
+
+def without_expert(path: Path, out: Path, prefix: str) -> Path:
+    """A copy of a checkpoint missing one expert's tensors."""
+    import shutil
+
+    shutil.copytree(path, out)
+    state = load_file(str(out / "model.safetensors"))
+    kept = {k: v for k, v in state.items() if not k.startswith(prefix)}
+    assert len(kept) < len(state)
+    save_file(kept, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def test_killing_an_expert_parallel_rank_mid_decode_loses_nothing_and_changes_no_token(
+    checkpoints: dict[str, Path], start_pool: StartPool, client: Client, redis_client
+) -> None:
+    path = checkpoints["q_lora"]
+    pool = start_pool(
+        model=str(path),
+        ranks=2,
+        expert_parallel=True,
+        decode_batch=4,
+        kv_slots_per_rank=12,
+        max_model_len=MAX_MODEL_LEN,
+        rank_timeout_s=3,
+        collective_timeout_s=10,
+    )
+    rng = random.Random(14)
+    cases = [(random_prompt(rng, rng.randint(3, 150), make.VOCAB_SIZE), 120) for _ in range(16)]
+    ids = [
+        client.submit(prompt_token_ids=p, max_tokens=m, ignore_eos=True, request_id=f"k{i}")
+        for i, (p, m) in enumerate(cases)
+    ]
+    keys = Keys()
+
+    def published() -> int:
+        pipe = redis_client.pipeline(transaction=False)
+        for request_id in ids:
+            pipe.xlen(keys.result(request_id))
+        return sum(pipe.execute())
+
+    wait_until(lambda: published() > 100, timeout_s=120, what="decode to be under way")
+    pool.processes.kill("rank1")
+    references = lone(path, [p for p, _ in cases], 120)
+    for request_id, reference in zip(ids, references):
+        tokens = check_stream(list(client.stream(request_id, timeout_s=240)))
+        problem = first_divergence(tokens, reference, TIE_TOLERANCE)
+        assert problem is None, f"{request_id}: {problem}"
+    assert {c.name: c.restarts for c in pool.processes.children}["rank1"] >= 1
+    generation = int(redis_client.hget(keys.rendezvous("default"), "generation"))
+    assert generation >= 2  # the group was formed again after the kill
+    wait_until(lambda: redis_client.xlen(keys.requests) == 0, what="every entry deleted")
+    assert redis_client.xlen(keys.dead) == 0
