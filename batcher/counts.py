@@ -17,7 +17,8 @@ FROM_STEP = {
     "mtp_accepted": ("num_draft_accepted", 1),
     "rank_exec_us": ("exec_ms", 1000),  # ranks' model threads: in steps,
     "rank_launch_us": ("launch_ms", 1000),  # in launches,
-    "rank_idle_us": ("idle_ms", 1000),  # waiting for plans
+    "rank_idle_us": ("idle_ms", 1000),  # waiting for plans,
+    "rank_collective_us": ("collective_ms", 1000),  # in expert-parallel collectives
 }
 
 
@@ -43,6 +44,7 @@ class PoolCounts:
     rank_exec_us: int = 0
     rank_launch_us: int = 0
     rank_idle_us: int = 0
+    rank_collective_us: int = 0
 
     def add_step(self, counts: StepCounts) -> None:
         """Add what one rank's step did."""

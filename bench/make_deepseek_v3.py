@@ -27,6 +27,20 @@ from safetensors.torch import load_file, save_file
 from npu_worker.models.tiny import ensure_tiny_model
 
 VOCAB_SIZE = 512  # the tiny tokenizer's
+# `--bench`: a few million parameters in the same layout, for `npu-pool bench`
+BENCH_SIZE = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "moe_intermediate_size": 128,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "q_lora_rank": 96,
+    "kv_lora_rank": 64,
+    "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 32,
+    "v_head_dim": 32,
+    "num_experts_per_tok": 4,
+}
 FP8_BLOCK = 128
 FP8_MAX = 448.0  # largest finite float8 e4m3 value
 
@@ -82,10 +96,14 @@ def build(
     experts: int = 8,
     layers: int = 3,
     seed: int = 0,
+    bench_size: bool = False,
 ) -> torch.nn.Module:
     """Write the checkpoint to `out`; returns the `transformers` model (float32)."""
     torch.manual_seed(seed)
-    model = transformers.DeepseekV3ForCausalLM(config(q_lora, experts, layers)).eval()
+    sizes: dict[str, Any] = dict(BENCH_SIZE) if bench_size else {}
+    if not q_lora:
+        sizes = {**sizes, "q_lora_rank": None}
+    model = transformers.DeepseekV3ForCausalLM(config(q_lora, experts, layers, **sizes)).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" not in name:
@@ -99,7 +117,7 @@ def build(
     shutil.copy(ensure_tiny_model() / "tokenizer.json", out / "tokenizer.json")
     state = load_file(str(out / "model.safetensors"))
     if mtp:
-        state.update(mtp_layer(q_lora, experts, layers, seed))
+        state.update(mtp_layer(model.config, layers, seed))
     if fp8:
         state = quantized(state)
         raw = json.loads((out / "config.json").read_text())
@@ -114,11 +132,12 @@ def build(
     return model
 
 
-def mtp_layer(q_lora: bool, experts: int, layers: int, seed: int) -> dict[str, torch.Tensor]:
+def mtp_layer(main: Any, layers: int, seed: int) -> dict[str, torch.Tensor]:
     """Random MTP-layer tensors under `model.layers.{layers}.*`: the block of a deeper model
     (a MoE layer), `enorm`, `hnorm`, `eh_proj` and `shared_head` (norm and head)."""
     torch.manual_seed(seed + 1)
-    deeper = transformers.DeepseekV3ForCausalLM(config(q_lora, experts, layers + 1)).eval()
+    values = {**main.to_dict(), "num_hidden_layers": layers + 1}
+    deeper = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**values)).eval()
     with tempfile.TemporaryDirectory() as saved:  # saved as checkpoints name experts
         deeper.save_pretrained(saved)
         saved_state = load_file(str(Path(saved) / "model.safetensors"))
@@ -168,8 +187,18 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=8, help="routed experts per layer")
     parser.add_argument("--layers", type=int, default=3, help="decoder layers")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--bench", action="store_true", help="a few million parameters")
     args = parser.parse_args()
-    build(args.out, not args.no_q_lora, args.mtp, args.fp8, args.experts, args.layers, args.seed)
+    build(
+        args.out,
+        not args.no_q_lora,
+        args.mtp,
+        args.fp8,
+        args.experts,
+        args.layers,
+        args.seed,
+        bench_size=args.bench,
+    )
     print(args.out)
 
 

@@ -36,6 +36,7 @@ def print_report(report: dict[str, Any]) -> None:
     print(
         f"{'conc':>5}{'tok/s':>9}{'req/s':>8}{'TTFT p50':>10}{'p99':>8}{'TPOT p50':>10}"
         f"{'ITL p99':>9}{'e2e p50':>9}{'goodput':>9}{'pad':>6}{'ceil':>8}{'idle':>6}{'host':>6}"
+        f"{'coll':>6}"
     )
     for lv in report["levels"]:
         ceiling = lv.get("workload_ceiling", {}).get("output_tokens_per_s")
@@ -46,10 +47,12 @@ def print_report(report: dict[str, Any]) -> None:
             f"{lv['goodput_requests_per_s']:>9.1f}{lv['padding_waste']:>6.0%}"
             f"{_share(lv['output_tokens_per_s'] / ceiling if ceiling else None):>8}"
             f"{_share(lv.get('rank_idle_share')):>6}{_share(lv.get('rank_host_share')):>6}"
+            f"{_share(lv.get('rank_collective_share')):>6}"
         )
     print(
         "ceil: share of the workload ceiling (its launches back to back); idle: ranks waiting "
-        "for a plan; host: share of steps outside launches"
+        "for a plan; host: share of steps outside launches; coll: share in expert-parallel "
+        "collectives"
     )
     print(f"kernel ceiling: {report['ceiling']['output_tokens_per_s']:.0f} tokens/s")
     burst = report.get("burst")

@@ -306,7 +306,10 @@ def _pool_counters(client: Client, settings: Settings, before: dict[str, Any]) -
     padding = after["padding_rows"] - before["padding_rows"]
     proposed = after["mtp"]["proposed"] - before["mtp"]["proposed"]
     accepted = after["mtp"]["accepted"] - before["mtp"]["accepted"]
-    spent = {k: after["rank_time_us"][k] - before["rank_time_us"][k] for k in ("exec", "launch")}
+    spent = {
+        k: after["rank_time_us"][k] - before["rank_time_us"][k]
+        for k in ("exec", "launch", "collective")
+    }
     prefill_launches = after["prefill_launches"] - before["prefill_launches"]
     prefill_tokens = after["prefill_tokens"] - before["prefill_tokens"]
     idle = after["rank_time_us"]["idle"] - before["rank_time_us"]["idle"]
@@ -317,6 +320,8 @@ def _pool_counters(client: Client, settings: Settings, before: dict[str, Any]) -
         "rank_host_share": (spent["exec"] - spent["launch"]) / spent["exec"]
         if spent["exec"]
         else None,
+        # expert parallelism: the share of the steps in the experts' collectives
+        "rank_collective_share": spent["collective"] / spent["exec"] if spent["exec"] else None,
         "decode_launches": launches,
         "prefill_launches": prefill_launches,
         "prefill_efficiency": prefill_tokens / (prefill_launches * settings.prefill_chunk)

@@ -43,18 +43,23 @@ class ProcessGroupExperts:
 
     def __init__(self, group: Any, rank: int, size: int) -> None:  # a c10d backend
         self.group, self.rank, self.size = group, rank, size
+        self.seconds = 0.0  # in collectives, since the engine last took it
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's `x`, stacked in rank order."""
+        started = time.perf_counter()
         parts = [torch.empty_like(x) for _ in range(self.size)]
         self.group.allgather([parts], [x.contiguous()]).wait()
+        self.seconds += time.perf_counter() - started
         return torch.cat(parts)
 
     def combine(self, partial: torch.Tensor) -> torch.Tensor:
         """Each rank's partial outputs of this rank's tokens, summed in rank order."""
+        started = time.perf_counter()
         chunks = [p.contiguous() for p in partial.chunk(self.size)]
         received = [torch.empty_like(p) for p in chunks]
         self.group.alltoall(received, chunks).wait()
+        self.seconds += time.perf_counter() - started
         out = received[0].clone()
         for part in received[1:]:
             out += part
@@ -171,12 +176,22 @@ class ExpertParallel:
 
     def __init__(self, rendezvous: Rendezvous, model: SplitsExperts) -> None:
         self.rendezvous, self.model = rendezvous, model
+        self.group: ProcessGroupExperts | None = None
 
     def join(self, epoch: int) -> None:
         """Be in the group of `epoch` before running its plans (forming it on its first)."""
         if self.rendezvous.generation != epoch:
+            self.group = None
             self.model.use_experts(LocalExperts())
-            self.model.use_experts(self.rendezvous.form(epoch))
+            self.group = self.rendezvous.form(epoch)
+            self.model.use_experts(self.group)
+
+    def take_ms(self) -> float:
+        """Milliseconds in collectives since the last call."""
+        if self.group is None:
+            return 0.0
+        seconds, self.group.seconds = self.group.seconds, 0.0
+        return seconds * 1000
 
     def fail(self, exc: BaseException) -> None:
         """A collective (or the rendezvous) failed: leave the group; the caller drops its
@@ -185,4 +200,5 @@ class ExpertParallel:
             "rank %d: expert-parallel step failed (%s); re-forming", self.rendezvous.rank, exc
         )
         self.rendezvous.leave()
+        self.group = None
         self.model.use_experts(LocalExperts())

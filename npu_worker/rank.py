@@ -218,6 +218,7 @@ class Worker:
             try:
                 self.experts.join(plan.epoch)
                 record = engine.execute(plan, idle_ms=waited_s * 1000)
+                record.counts.collective_ms = self.experts.take_ms()
             except RuntimeError as exc:  # a peer died or hung mid-collective
                 self.experts.fail(exc)
                 self.fenced.set()

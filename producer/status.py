@@ -87,6 +87,7 @@ def pool_status(client: redis.Redis, keys: Keys, pool: str, now_ms: int) -> dict
             "exec": _int(info, "rank_exec_us"),
             "launch": _int(info, "rank_launch_us"),
             "idle": _int(info, "rank_idle_us"),
+            "collective": _int(info, "rank_collective_us"),
         },
         "mtp": mtp_summary(_int(info, "mtp_proposed"), _int(info, "mtp_accepted")),
     }

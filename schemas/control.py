@@ -152,6 +152,7 @@ class StepCounts:
     exec_ms: float = 0.0  # the step on the rank's model thread
     launch_ms: float = 0.0  # of which inside launches
     idle_ms: float = 0.0  # waiting for this plan before it
+    collective_ms: float = 0.0  # of the launches' time, in expert-parallel collectives
 
     def to_wire(self) -> list[Any]:
         """The counts in field order."""
