@@ -1,13 +1,14 @@
 """A small random DeepSeek-V3 checkpoint written by `transformers` (a test and bench
 dependency), with the tiny model's byte-level tokenizer, for the tests and `npu-pool bench`:
 
-    python -m bench.make_deepseek_v3 DIR [--no-q-lora] [--mtp] [--fp8] [--experts 8] [--layers 3]
+    python -m bench.make_deepseek_v3 DIR [--no-q-lora] [--mtp] [--fp8] [--bench] [--experts 8]
 
 Weights are scaled up so greedy top-1/top-2 logit margins are clear (a random model's are
 near 3e-4) and the router's correction bias is random, so routing is not uniform. With
 `--mtp` the checkpoint also gets an MTP layer (`model.layers.{num_hidden_layers}.*`: a
 MoE decoder block, `enorm`, `hnorm`, `eh_proj`, `shared_head`), which `transformers` itself
-neither builds nor saves. With `--fp8` every projection is stored as float8 e4m3 with
+neither builds nor saves, fitted to draft the model's own greedy continuations (as the
+`tiny` preset's MTP module is). With `--fp8` every projection is stored as float8 e4m3 with
 128x128 block scales (`weight_scale_inv`), as DeepSeek releases its weights.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import shutil
 import tempfile
 from pathlib import Path
@@ -24,7 +26,12 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
+from npu_worker.models.deepseek_v3 import DeepseekV3CausalLM
+from npu_worker.models.launch import LaunchInputs
+from npu_worker.models.loader import load_model
 from npu_worker.models.tiny import ensure_tiny_model
+from npu_worker.runner import LaunchRunner
+from schemas.registry import LaunchShapes
 
 VOCAB_SIZE = 512  # the tiny tokenizer's
 # `--bench`: a few million parameters in the same layout, for `npu-pool bench`
@@ -43,6 +50,8 @@ BENCH_SIZE = {
 }
 FP8_BLOCK = 128
 FP8_MAX = 448.0  # largest finite float8 e4m3 value
+# the MTP layer is fitted on this many greedy continuations of random prompts of 4-48 tokens
+FIT_SEQUENCES, FIT_LENGTH, FIT_PROMPTS = 64, 96, (4, 48)
 
 
 def config(q_lora: bool = True, experts: int = 8, layers: int = 3, **extra: Any) -> Any:
@@ -99,6 +108,8 @@ def build(
     bench_size: bool = False,
 ) -> torch.nn.Module:
     """Write the checkpoint to `out`; returns the `transformers` model (float32)."""
+    if mtp and fp8:
+        raise ValueError("an FP8 checkpoint with a fitted MTP layer is not built here")
     torch.manual_seed(seed)
     sizes: dict[str, Any] = dict(BENCH_SIZE) if bench_size else {}
     if not q_lora:
@@ -129,6 +140,8 @@ def build(
         }
         (out / "config.json").write_text(json.dumps(raw, indent=2))
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if mtp:
+        fit_mtp(out, seed=seed)
     return model
 
 
@@ -155,6 +168,90 @@ def mtp_layer(main: Any, layers: int, seed: int) -> dict[str, torch.Tensor]:
     state[prefix + "shared_head.head.weight"] = torch.randn(VOCAB_SIZE, hidden) * 0.08
     state[prefix + "embed_tokens.weight"] = deeper.model.embed_tokens.weight.detach().clone()
     return state
+
+
+def fit_mtp(out: Path, steps: int = 200, seed: int = 0) -> float:
+    """Train the checkpoint's MTP layer to draft the main model's own greedy continuations
+    (as `tiny`'s is), write it back; returns the draft accuracy on its training data."""
+    loaded = load_model(out, "float32", torch.device("cpu"), FIT_LENGTH, mtp=True)
+    model = loaded.model
+    assert isinstance(model, DeepseekV3CausalLM) and model.mtp is not None
+    sequences, hidden, generated = greedy_data(model, seed)
+    for name, param in model.named_parameters():
+        param.requires_grad_(name.startswith("mtp."))
+    mtp = model.mtp
+    positions = torch.arange(FIT_LENGTH).expand(len(sequences), FIT_LENGTH)
+    launch = LaunchInputs(sequences, positions, torch.arange(len(sequences)), positions, 0, None)
+    cos, sin = model.rope(positions)
+    optimizer = torch.optim.Adam(mtp.parameters(), lr=3e-3)
+    with torch.enable_grad():
+        for _ in range(steps):
+            logits = draft_logits(model, sequences, hidden, cos, sin, launch)
+            loss = torch.nn.functional.cross_entropy(  # only tokens the model chose
+                logits[generated], sequences[:, 2:][generated]
+            )
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    with torch.no_grad():
+        logits = draft_logits(model, sequences, hidden, cos, sin, launch)
+        right = logits.argmax(-1) == sequences[:, 2:]
+        accuracy = float(right[generated].float().mean())
+    prefix = f"model.layers.{model.config.num_layers}."
+    fitted = {
+        prefix + name.removeprefix("mtp.").removeprefix("block."): tensor.detach().clone()
+        for name, tensor in model.state_dict().items()
+        if name.startswith("mtp.")
+    }
+    state = load_file(str(out / "model.safetensors"))
+    state.update(fitted)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return accuracy
+
+
+def greedy_data(
+    model: DeepseekV3CausalLM, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Greedy continuations of random prompts [N, FIT_LENGTH], their final hidden states, and
+    which targets (token i+2 of each position i) the model generated rather than was given."""
+    rng = random.Random(seed)
+    shapes = LaunchShapes(FIT_SEQUENCES, FIT_LENGTH, 1, FIT_SEQUENCES, FIT_LENGTH, False)
+    runner = LaunchRunner(model, shapes)
+    lengths = [rng.randint(*FIT_PROMPTS) for _ in range(FIT_SEQUENCES)]
+    tokens = [[rng.randrange(2, VOCAB_SIZE) for _ in range(n)] for n in lengths]
+    last = [int(runner.prefill(slot, p, 0).argmax()) for slot, p in enumerate(tokens)]
+    while True:
+        live = [s for s in range(FIT_SEQUENCES) if len(tokens[s]) < FIT_LENGTH]
+        for s in live:
+            tokens[s].append(last[s])
+        live = [s for s in live if len(tokens[s]) < FIT_LENGTH]
+        if not live:
+            break
+        positions = [len(tokens[s]) - 1 for s in live]
+        picked = runner.decode(live, [last[s] for s in live], positions).argmax(-1).tolist()
+        for s, token in zip(live, picked):
+            last[s] = token
+    hidden = torch.cat([runner.prefill_launch(s, seq, 0).hidden for s, seq in enumerate(tokens)])
+    targets = torch.arange(2, FIT_LENGTH)
+    generated = targets[None, :] >= torch.tensor(lengths)[:, None]
+    return torch.tensor(tokens), hidden.clone(), generated
+
+
+def draft_logits(
+    model: DeepseekV3CausalLM,
+    sequences: torch.Tensor,
+    hidden: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    launch: LaunchInputs,
+) -> torch.Tensor:
+    """The MTP layer's logits for token i+2 from hidden state i and token i+1."""
+    mtp = model.mtp
+    assert mtp is not None
+    embedded = model.model.embed_tokens(torch.roll(sequences, -1, dims=1)).detach()
+    x = mtp.eh_proj(torch.cat((mtp.enorm(embedded), mtp.hnorm(hidden)), dim=-1))
+    x = mtp.shared_head.norm(mtp.block(x, cos, sin, launch, None))
+    return mtp.shared_head.head(x[:, : FIT_LENGTH - 2])
 
 
 def quantized(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -31,7 +31,14 @@ from torch import nn
 
 from npu_worker.models.config import UnsupportedModel, eos_ids
 from npu_worker.models.launch import KVCache, LaunchInputs, LaunchModel, LaunchOutput
-from npu_worker.models.layers import RMSNorm, attend, cached_keys, rotate_half, rotate_interleaved
+from npu_worker.models.layers import (
+    RMSNorm,
+    attend,
+    cached_keys,
+    causal_mask,
+    rotate_half,
+    rotate_interleaved,
+)
 from npu_worker.models.moe import ExpertGroup, GatedMLP, LocalExperts, routed_output
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
@@ -227,7 +234,7 @@ class LatentAttention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         launch: LaunchInputs,
-        cache: KVCache,
+        cache: KVCache | None,
     ) -> torch.Tensor:
         c = self.config
         batch, seq, _ = x.shape
@@ -253,9 +260,13 @@ class LatentAttention(nn.Module):
         q_latent = torch.einsum("bshn,hnc->bshc", q_nope, w_uk)
         query = torch.cat((q_latent, q_rope), dim=-1)
         key = torch.cat((latent[:, :, None, :], k_rope), dim=-1)
-        keys, values, visible = cached_keys(
-            cache.k[self.layer], cache.v[self.layer], key, key[..., : c.kv_lora_rank], launch
-        )
+        if cache is None:  # fitting an MTP layer: whole sequences, no cache
+            keys = key.transpose(1, 2)
+            values, visible = keys[..., : c.kv_lora_rank], causal_mask(launch.positions, seq)
+        else:
+            keys, values, visible = cached_keys(
+                cache.k[self.layer], cache.v[self.layer], key, key[..., : c.kv_lora_rank], launch
+            )
         out = attend(query, keys, values, visible, num_kv_heads=1, scale=c.softmax_scale)
         out = torch.einsum("bshc,hvc->bshv", out, w_uv)
         return self.o_proj(out.reshape(batch, seq, c.num_heads * c.v_head_dim))
@@ -331,13 +342,13 @@ class DecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         launch: LaunchInputs,
-        cache: KVCache,
+        cache: KVCache | None,
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, launch, cache)
         h = self.post_attention_layernorm(x)
         if isinstance(self.mlp, MoE):
-            valid = (launch.positions < cache.scratch_position).reshape(-1)
-            return x + self.mlp(h, valid)
+            scratch = cache.scratch_position if cache is not None else launch.positions.max() + 1
+            return x + self.mlp(h, (launch.positions < scratch).reshape(-1))
         return x + self.mlp(h)
 
 
