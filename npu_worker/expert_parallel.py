@@ -27,6 +27,7 @@ from schemas.keys import Keys
 
 log = logging.getLogger("npu_pool.worker")
 LOOPBACK = "127.0.0.1"
+MAX_FIRST_TIMEOUTS = 3  # rendezvous a rank may fail before its first group, then it gives up
 
 
 class RendezvousTimeout(RuntimeError):
@@ -177,6 +178,8 @@ class ExpertParallel:
     def __init__(self, rendezvous: Rendezvous, model: SplitsExperts) -> None:
         self.rendezvous, self.model = rendezvous, model
         self.group: ProcessGroupExperts | None = None
+        self.formed = False  # a group has formed at least once: later failures re-form
+        self.timeouts = 0  # rendezvous that failed in a row
 
     def join(self, epoch: int) -> None:
         """Be in the group of `epoch` before running its plans (forming it on its first)."""
@@ -185,6 +188,13 @@ class ExpertParallel:
             self.model.use_experts(LocalExperts())
             self.group = self.rendezvous.form(epoch)
             self.model.use_experts(self.group)
+            self.formed, self.timeouts = True, 0
+
+    @property
+    def hopeless(self) -> bool:
+        """The rank has never been in a group and its last rendezvous all timed out: a
+        configuration no retry fixes (a rank that never joins, an unreachable address)."""
+        return not self.formed and self.timeouts >= MAX_FIRST_TIMEOUTS
 
     def take_ms(self) -> float:
         """Milliseconds in collectives since the last call."""
@@ -199,6 +209,7 @@ class ExpertParallel:
         log.warning(
             "rank %d: expert-parallel step failed (%s); re-forming", self.rendezvous.rank, exc
         )
+        self.timeouts += isinstance(exc, RendezvousTimeout)
         self.rendezvous.leave()
         self.group = None
         self.model.use_experts(LocalExperts())

@@ -65,6 +65,7 @@ class Worker:
         self.metrics: RankMetrics | None = None
         self.refused: str | None = None  # the batcher's reason for refusing this rank
         self.experts: ExpertParallel | None = None
+        self.failure: str | None = None  # why this rank gives up (no restart would help)
 
     def run(self) -> None:
         """Load, warm up, announce ready, then execute plans until stopped.
@@ -106,6 +107,13 @@ class Worker:
             if self.refused is not None:
                 final_state = RankState.FAILED
                 raise RankFailed(f"the batcher refused this rank: {self.refused}")
+            if self.failure is not None:
+                final_state = RankState.FAILED
+                self.redis.hset(
+                    self.rank_key,
+                    mapping={RankField.STATE: final_state.value, RankField.REASON: self.failure},
+                )
+                raise RankFailed(self.failure)
         finally:
             self.stop_event.set()
             if self.plans is not None:
@@ -221,6 +229,10 @@ class Worker:
                 record.counts.collective_ms = self.experts.take_ms()
             except RuntimeError as exc:  # a peer died or hung mid-collective
                 self.experts.fail(exc)
+                if self.experts.hopeless:
+                    self.failure = str(exc)  # the group never formed, however often tried
+                    self.stop_event.set()
+                    return
                 self.fenced.set()
                 return
             output.send(record)

@@ -23,6 +23,10 @@ def test_launch_shapes_round_trip_and_name_every_difference() -> None:
     assert pool.differences(pool) is None
     rank = Settings(decode_batch=4, kv_slots_per_rank=16, mtp=False).launch_shapes()
     assert rank.differences(pool) == "decode_batch 4 (pool: 8), mtp False (pool: True)"
+    other = Settings(decode_batch=8, mtp=True, model="smollm2", expert_parallel=True)
+    assert other.launch_shapes().differences(pool) == (
+        "expert_parallel True (pool: False), model smollm2 (pool: tiny)"
+    )
 
 
 @pytest.mark.parametrize("raw", [b"", b"{}", b"[1, 2]", b'{"decode_batch": 8}', b"not json"])
