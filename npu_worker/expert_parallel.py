@@ -108,8 +108,30 @@ class Rendezvous:
 
     def form(self, generation: int) -> ProcessGroupExperts:
         """The group of `generation` (a batcher epoch), every rank in it; raises
-        RendezvousTimeout if the others do not all join in time."""
+        RendezvousTimeout if the others do not all join in time, or the store cannot open."""
         self.leave()
+        try:
+            store = self._store(generation)
+            group = process_group(
+                self.backend,
+                dist.PrefixStore(f"generation-{generation}/", store),
+                self.rank,
+                self.size,
+                self.timeout,
+            )
+        except RuntimeError as exc:  # c10d's own errors: a refused or timed-out connection
+            if isinstance(exc, RendezvousTimeout):
+                raise
+            raise RendezvousTimeout(
+                f"expert-parallel group {generation} did not form: {exc}"
+            ) from exc
+        self.generation, self.group = generation, group
+        log.info("rank %d in expert-parallel group %d (%d ranks)", self.rank, generation, self.size)
+        return ProcessGroupExperts(group, self.rank, self.size)
+
+    def _store(self, generation: int) -> dist.Store:
+        """Rank 0 opens the group's store on a free port and publishes where it is; the other
+        ranks connect to the address published for this generation."""
         if self.rank == 0:
             self.store = dist.TCPStore(
                 self.host,
@@ -121,28 +143,9 @@ class Rendezvous:
             )
             address = f"{self.host}:{self.store.port}"
             self.client.hset(self.key, mapping={"generation": generation, "address": address})
-            store = self.store
-        else:
-            store = dist.TCPStore(
-                *self._address(generation), self.size, is_master=False, timeout=self.timeout
-            )
-        try:
-            group = process_group(
-                self.backend,
-                dist.PrefixStore(f"generation-{generation}/", store),
-                self.rank,
-                self.size,
-                self.timeout,
-            )
-        except RuntimeError as exc:
-            raise RendezvousTimeout(
-                f"expert-parallel group {generation} did not form: {exc}"
-            ) from exc
-        self.generation, self.group = generation, group
-        log.info(
-            "rank %d in expert-parallel group %d of %d ranks", self.rank, generation, self.size
-        )
-        return ProcessGroupExperts(group, self.rank, self.size)
+            return self.store
+        host, port = self._address(generation)
+        return dist.TCPStore(host, port, self.size, is_master=False, timeout=self.timeout)
 
     def leave(self) -> None:
         """Drop the current group, if any (after a failed collective, or to re-form)."""

@@ -29,6 +29,7 @@ from tests.helpers import (
     wait_until,
 )
 from tests.reference import ReferenceCompletion, first_divergence, generate_alone
+from tests.test_hf_parity import hf_greedy
 
 make = pytest.importorskip("bench.make_deepseek_v3")
 MAX_MODEL_LEN = 512
@@ -43,21 +44,6 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     make.build(made["plain"], q_lora=False)
     make.build(made["fp8"], q_lora=True, fp8=True)
     return made
-
-
-def hf_greedy(model: torch.nn.Module, prompt: list[int], max_tokens: int) -> ReferenceCompletion:
-    """transformers' greedy generate at batch size 1, with each step's top-2 gap."""
-    out = model.generate(
-        torch.tensor([prompt]),
-        max_new_tokens=max_tokens,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
-        output_scores=True,
-        return_dict_in_generate=True,
-    )
-    gaps = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
-    return ReferenceCompletion(out.sequences[0, len(prompt) :].tolist(), gaps)
 
 
 def lone(path: Path, prompts: list[list[int]], max_tokens: int) -> list[ReferenceCompletion]:
