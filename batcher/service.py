@@ -48,7 +48,7 @@ from batcher.scheduler import (
     plan_step,
 )
 from schemas.config import Settings, add_settings_flags, settings_from_args
-from schemas.connection import connect
+from schemas.connection import connect, reset_connections
 from schemas.control import StepResult
 from schemas.keys import Keys
 from schemas.messages import FinishReason
@@ -185,6 +185,7 @@ class Batcher:
             self._collect(block_ms=200)
 
     def _wait_for_redis(self) -> None:
+        reset_connections(self.redis)  # every connection finds the (new) primary afresh
         delay = 0.1
         while not self.stopping:
             with contextlib.suppress(*REDIS_ERRORS):

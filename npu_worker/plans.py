@@ -11,7 +11,7 @@ import time
 
 import redis
 
-from schemas.connection import connect, stream_entries
+from schemas.connection import connect, reset_connections, stream_entries
 from schemas.control import RankStepPlan
 from schemas.keys import FIELD
 
@@ -64,6 +64,7 @@ class PlanReader:
                 reply = self.redis.xread({self.plan_key: cursor}, count=16, block=200)
             except redis.RedisError as exc:
                 log.warning("reading plans failed (%s); retrying", exc)
+                reset_connections(self.redis)
                 time.sleep(0.5)
                 continue
             entries = stream_entries(reply)

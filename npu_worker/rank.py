@@ -31,7 +31,7 @@ from npu_worker.rank_metrics import RankMetrics
 from npu_worker.runner import LaunchRunner
 from npu_worker.startup import rank_hash_reporter
 from schemas.config import Settings
-from schemas.connection import connect, last_entry_id
+from schemas.connection import connect, last_entry_id, reset_connections
 from schemas.keys import Keys
 from schemas.metrics import CountsCollector, serve_metrics
 from schemas.registry import RankField, RankState
@@ -66,6 +66,7 @@ class Worker:
         self.refused: str | None = None  # the batcher's reason for refusing this rank
         self.experts: ExpertParallel | None = None
         self.failure: str | None = None  # why this rank gives up (no restart would help)
+        self.registered = ""  # the incarnation whose registration was written
 
     def run(self) -> None:
         """Load, warm up, announce ready, then execute plans until stopped.
@@ -102,6 +103,7 @@ class Worker:
                     self._serve_once(self.engine, self.output, self.plans)
                 except REDIS_ERRORS as exc:
                     log.warning("Redis unavailable (%s); retrying", exc)
+                    reset_connections(self.redis)
                     time.sleep(0.5)
                     self.fenced.set()  # a step may be half published: start afresh
             if self.refused is not None:
@@ -240,6 +242,7 @@ class Worker:
             self.metrics.step(engine.shapes, engine.runner.launch_seconds)
 
     def _register(self, state: RankState) -> None:
+        self.registered = ""
         self.redis.hdel(self.rank_key, RankField.REASON)
         self.redis.hset(
             self.rank_key,
@@ -253,6 +256,8 @@ class Worker:
                 RankField.REQUESTS: "",  # a new incarnation holds nothing yet
             },
         )
+        if state == RankState.READY:
+            self.registered = self.incarnation
 
     def _heartbeat_loop(self) -> None:
         """Beat (with the ids of the requests this rank holds, for operators), and notice
@@ -279,6 +284,9 @@ class Worker:
                     )
                     state, incarnation, reason = pipe.execute()[1]
                     if incarnation != self.incarnation.encode():
+                        if self.registered == self.incarnation:  # a failover dropped it
+                            log.warning("rank %d: its registration is gone; anew", self.rank)
+                            self.fenced.set()
                         continue
                     if state == RankState.LOST.value.encode():
                         self.fenced.set()
@@ -289,6 +297,7 @@ class Worker:
                         return
                 except redis.RedisError as exc:
                     log.warning("heartbeat failed: %s", exc)
+                    reset_connections(client)
         finally:
             client.close()
 

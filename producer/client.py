@@ -8,10 +8,10 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import redis
-import redis.asyncio as aioredis
 
 from producer.requests import (
     ADMIT_SCRIPT,
+    NotReplicated,
     QueueFull,
     RequestFailed,
     RequestTooLarge,
@@ -24,7 +24,13 @@ from producer.status import PoolFailed, ready_pool
 from producer.streams import StreamMux, Subscription
 from schemas.codec import decode
 from schemas.config import Settings
-from schemas.connection import resolve_redis_url, stream_entries
+from schemas.connection import (
+    connect,
+    connect_async,
+    replicas_to_wait,
+    resolve_redis_url,
+    stream_entries,
+)
 from schemas.keys import FIELD, Keys
 from schemas.messages import ChatMessage, Completion, GenerateRequest, ResultChunk
 
@@ -49,6 +55,7 @@ class Client:
         namespace: str | None = None,
         max_queue: int | None = None,
         connection: redis.Redis | None = None,
+        min_replicas_ack: int | None = None,
     ) -> None:
         settings = Settings()
         self.keys = Keys(namespace or settings.namespace)
@@ -57,7 +64,10 @@ class Client:
             self.url, self.redis = redis_url or "", connection
         else:
             self.url = resolve_redis_url(redis_url or settings.redis_url)
-            self.redis = redis.Redis.from_url(self.url)
+            self.redis = connect(self.url)
+        wanted = settings.min_replicas_ack if min_replicas_ack is None else min_replicas_ack
+        self.min_replicas_ack = replicas_to_wait(self.url, wanted)
+        self.ack_timeout_ms = int(settings.replica_ack_timeout_s * 1000)
         self._admit = self.redis.register_script(ADMIT_SCRIPT)
 
     def submit(
@@ -77,7 +87,16 @@ class Client:
         """Enqueue a built request; with `mark` (hash, field, value), set that hash field in
         the same atomic step. Raises QueueFull when the queue is at max_queue."""
         keys, args = admission_call(self.keys, request, self.max_queue, mark)
-        parse_admission(self._admit(keys=keys, args=args))
+        if not self.min_replicas_ack:
+            parse_admission(self._admit(keys=keys, args=args))
+            return request.id
+        pipe = self.redis.pipeline(transaction=False)  # WAIT counts this connection's writes
+        self._admit(keys=keys, args=args, client=pipe)
+        pipe.wait(self.min_replicas_ack, self.ack_timeout_ms)
+        reply, acked = pipe.execute()
+        parse_admission(reply)
+        if acked < self.min_replicas_ack:
+            raise NotReplicated(request.id, acked, self.min_replicas_ack)
         return request.id
 
     def stream(self, request_id: str, timeout_s: float | None = None) -> Iterator[ResultChunk]:
@@ -160,13 +179,17 @@ class AsyncClient:
         max_queue: int | None = None,
         max_connections: int = 32,
         max_stream_connections: int = 16,
+        min_replicas_ack: int | None = None,
     ) -> None:
         settings = Settings()
         self.keys = Keys(namespace or settings.namespace)
         self.max_queue = max_queue  # a bound of this client's own, under the namespace's
         self.url = resolve_redis_url(redis_url or settings.redis_url)
-        self.redis = _pooled(self.url, max_connections)
-        self._reader = _pooled(self.url, max_stream_connections)
+        wanted = settings.min_replicas_ack if min_replicas_ack is None else min_replicas_ack
+        self.min_replicas_ack = replicas_to_wait(self.url, wanted)
+        self.ack_timeout_ms = int(settings.replica_ack_timeout_s * 1000)
+        self.redis = connect_async(self.url, max_connections)
+        self._reader = connect_async(self.url, max_stream_connections)
         self.max_stream_connections = max_stream_connections
         self._mux: StreamMux | None = None
         self._admit = self.redis.register_script(ADMIT_SCRIPT)
@@ -182,7 +205,16 @@ class AsyncClient:
         """Enqueue a request; returns its id. Raises QueueFull when the queue is at max_queue."""
         request = build_request(prompt, prompt_token_ids, request_id, options)
         keys, args = admission_call(self.keys, request, self.max_queue)
-        parse_admission(await self._admit(keys=keys, args=args))
+        if not self.min_replicas_ack:
+            parse_admission(await self._admit(keys=keys, args=args))
+            return request.id
+        pipe = self.redis.pipeline(transaction=False)  # WAIT counts this connection's writes
+        await self._admit(keys=keys, args=args, client=pipe)
+        pipe.wait(self.min_replicas_ack, self.ack_timeout_ms)
+        reply, acked = await pipe.execute()
+        parse_admission(reply)
+        if acked < self.min_replicas_ack:
+            raise NotReplicated(request.id, acked, self.min_replicas_ack)
         return request.id
 
     def subscribe(self, request_id: str, after: bytes = b"0-0") -> Subscription:
@@ -255,12 +287,6 @@ class AsyncClient:
             self._mux = None
         await self._reader.aclose()
         await self.redis.aclose()
-
-
-def _pooled(url: str, max_connections: int) -> aioredis.Redis:
-    """A client whose commands wait for one of `max_connections` connections."""
-    pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=max_connections)
-    return aioredis.Redis(connection_pool=pool)
 
 
 def _block_ms(deadline: float | None, request_id: str) -> int:

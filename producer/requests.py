@@ -7,6 +7,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
+import redis
 from pydantic import ValidationError
 
 from schemas.codec import encode
@@ -54,6 +55,22 @@ class QueueFull(RuntimeError):
         )
         self.depth = depth
         self.max_queue = max_queue
+
+
+class NotReplicated(redis.ConnectionError):
+    """The request reached the primary, but not `wanted` replicas within the timeout: a
+    failover now could lose it. Retryable, as a lost connection is: submit it again with
+    the same id (an id is run at most once; a copy that finds its original in progress is
+    dead-lettered, and the original answers)."""
+
+    def __init__(self, request_id: str, acked: int, wanted: int) -> None:
+        super().__init__(
+            f"request {request_id} reached {acked} of the {wanted} replicas it must "
+            "(min_replicas_ack); retry with the same id"
+        )
+        self.request_id = request_id
+        self.acked = acked
+        self.wanted = wanted
 
 
 class RequestTooLarge(ValueError):

@@ -38,6 +38,16 @@ class Settings(BaseSettings):
         description="redis:// or rediss:// URL; default: the local `npu-pool up`",
     )
     namespace: str = Field(default="npupool", description="prefix of every Redis key")
+    min_replicas_ack: int | None = Field(
+        default=None,
+        ge=0,
+        le=16,
+        description="replicas that must confirm an accepted request and a final "
+        "acknowledgement (WAIT); default: 1 with a Sentinel URL, else 0",
+    )
+    replica_ack_timeout_s: float = Field(
+        default=1.0, gt=0.0, description="how long a WAIT for replicas may take"
+    )
     pool: str = Field(default="default", description="name of this pool")
     model: str = Field(
         default="tiny",

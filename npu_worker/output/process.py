@@ -22,7 +22,7 @@ from tokenizers import Tokenizer
 from npu_worker.output.processor import OutputProcessor, StepOutput
 from npu_worker.output.records import Feedback, StepRecord
 from schemas.config import Settings
-from schemas.connection import connect
+from schemas.connection import connect, reset_connections
 from schemas.control import RequestOutcome
 from schemas.keys import STEP_RESULTS_MAXLEN, Keys
 from schemas.results import ALREADY_FINAL, APPENDED, FENCED, STEP_SCRIPT
@@ -140,6 +140,7 @@ class StepPublisher:
             replies = self.script(keys=keys, args=args)
         except redis.RedisError as exc:
             log.warning("publishing failed (%s); the rank starts afresh", exc)
+            reset_connections(self.redis)
             return [], True
         if replies == FENCED:
             log.warning("this rank was replaced or declared lost; it starts afresh")

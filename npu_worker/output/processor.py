@@ -93,18 +93,27 @@ class OutputProcessor:
     def _admit(self, new: NewRequest) -> RequestOutput:
         resumed = new.prompt_token_ids[new.num_prompt_tokens :]
         stops = list(new.sampling.stop)
-        return RequestOutput(
+        request = RequestOutput(
             request_id=new.request_id,
             slot=new.slot,
             admission=new.admission,
             num_prompt_tokens=new.num_prompt_tokens,
-            next_index=new.start_index,
+            next_index=new.start_index - len(resumed),
             next_seq=new.start_seq,
             result_ttl_s=new.result_ttl_s,
             min_tokens=new.sampling.min_tokens,
-            decoder=DecodeStream(ids=resumed, skip_special_tokens=True),
+            decoder=DecodeStream(skip_special_tokens=True),
             stops=StopStrings(stops) if stops else None,
         )
+        # A resumed request's decoder and stop strings replay the tokens it published, so
+        # they hold what they held then (part of a character, text that may begin a stop
+        # string) and its next chunks carry the text they carried before a failure.
+        for token in resumed:
+            request.next_index += 1
+            text = request.decoder.step(self.tokenizer, token) or ""
+            if request.stops is not None and request.next_index >= request.min_tokens:
+                request.stops.feed(text)
+        return request
 
     def _stop(self, stop: SlotStop, output: StepOutput) -> None:
         """A cancel or deadline ends the request here; a preemption gives it back."""

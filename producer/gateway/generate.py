@@ -10,7 +10,7 @@ from typing import Any
 from pydantic import ValidationError
 from starlette.requests import Request
 
-from producer.client import QueueFull, RequestTooLarge
+from producer.client import NotReplicated, QueueFull, RequestTooLarge
 from producer.gateway.errors import RETRY_AFTER_S, ApiError, from_validation
 from producer.gateway.protocol import ChatRequest, CompletionRequest
 from producer.gateway.render import Renderer, token_id_text
@@ -99,6 +99,10 @@ async def generate(request: Request, kind: str) -> GenerationResponse:
         ) from exc
     except RequestTooLarge as exc:
         raise ApiError(413, str(exc), code="too_large") from exc
+    except NotReplicated as exc:  # retryable with the same request id
+        raise ApiError(
+            503, str(exc), code="not_replicated", headers={"Retry-After": str(RETRY_AFTER_S)}
+        ) from exc
     wants_logprobs = job.options.get("logprobs") is not None
     renderer = Renderer(
         "chat" if kind == "chat" else "completion",

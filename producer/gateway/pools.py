@@ -13,7 +13,7 @@ import redis
 
 from producer.gateway.render import TokenText, token_id_text
 from producer.status import pool_status
-from schemas.connection import hash_fields
+from schemas.connection import connect, hash_fields
 from schemas.keys import Keys
 from schemas.registry import BatcherState, PoolField, RankField, RankState
 
@@ -34,7 +34,7 @@ class PoolWatch:
     """The ready pools, re-read every `refresh_s` in a thread (the registry reads are sync)."""
 
     def __init__(self, redis_url: str, keys: Keys, refresh_s: float) -> None:
-        self.redis = redis.Redis.from_url(redis_url, socket_connect_timeout=5, socket_timeout=5)
+        self.redis = connect(redis_url, timeout_s=5, read_timeout_s=5)
         self.keys = keys
         self.refresh_s = refresh_s
         self.problem: str | None = "not checked yet"

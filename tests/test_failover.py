@@ -1,0 +1,209 @@
+"""Redis high availability (docs/architecture.md §7): a pool on a Sentinel URL, under load
+with live readers, keeps every accepted request when its primary dies and a replica takes
+over: 0 lost, 0 duplicated tokens, 0 gaps, and what a reader saw before the failover is
+what the streams say after it."""
+
+from __future__ import annotations
+
+import functools
+import random
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import redis
+
+from producer.client import Client
+from producer.requests import NotReplicated
+from schemas.config import Settings
+from schemas.connection import connect, replicas_to_wait, sentinel_address
+from schemas.keys import Keys
+from schemas.messages import ResultChunk
+from tests.helpers import (
+    TIE_TOLERANCE,
+    check_stream,
+    load_reference_model,
+    random_prompt,
+    reference_runner,
+    wait_until,
+)
+from tests.reference import first_divergence, generate_alone
+from tests.sentinels import SentinelDeployment
+
+RETRYABLE = (redis.ConnectionError, redis.TimeoutError, NotReplicated)
+KEYS = Keys()
+
+
+@pytest.fixture
+def sentinels(tmp_path: Path):
+    deployment = SentinelDeployment(tmp_path / "ha")
+    (tmp_path / "ha").mkdir()
+    deployment.start()
+    yield deployment
+    deployment.stop()
+
+
+def retried(call: Callable[[], object], what: str, timeout_s: float = 60.0) -> object:
+    """`call()` until it answers: a producer's retry of a retryable error (same arguments,
+    so the same request id)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return call()
+        except RETRYABLE:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+class Reader(threading.Thread):
+    """A live reader of one result stream that survives failovers: it reads the stream
+    from 0 again and keeps the chunks of every seq it has seen, checking that a chunk seen
+    twice is the same chunk."""
+
+    def __init__(self, client: Client, request_id: str) -> None:
+        super().__init__(daemon=True)
+        self.client, self.request_id = client, request_id
+        self.seen: dict[int, ResultChunk] = {}
+        self.changed: list[str] = []
+        self.done = False
+
+    def run(self) -> None:
+        deadline = time.monotonic() + 240
+        while not self.done and time.monotonic() < deadline:
+            try:
+                for chunk in self.client.stream(self.request_id, timeout_s=30):
+                    before = self.seen.setdefault(chunk.seq, chunk)
+                    if before != chunk:
+                        self.changed.append(f"seq {chunk.seq}: {before} then {chunk}")
+                    if chunk.is_final:
+                        self.done = True
+            except (*RETRYABLE, TimeoutError):
+                time.sleep(0.1)
+
+
+def published(client: Client, ids: list[str]) -> int:
+    """Chunks written on the current primary for `ids`."""
+
+    def count() -> int:
+        pipe = client.redis.pipeline(transaction=False)
+        for request_id in ids:
+            pipe.xlen(KEYS.result(request_id))
+        return sum(pipe.execute())
+
+    return int(retried(count, "xlen"))  # type: ignore[call-overload]
+
+
+def test_a_primary_killed_twice_loses_nothing_and_doubles_nothing(
+    sentinels: SentinelDeployment, start_pool
+) -> None:
+    pool = start_pool(
+        url=sentinels.url,
+        ranks=2,
+        decode_batch=4,
+        kv_slots_per_rank=12,
+        max_model_len=512,
+        rank_timeout_s=3,
+    )
+    client = Client(sentinels.url)
+    assert client.min_replicas_ack == 1  # behind Sentinels, accepted means replicated
+    loaded = load_reference_model(pool.settings)
+    rng = random.Random(21)
+    cases = [
+        (
+            f"ha{i}",
+            random_prompt(rng, rng.randrange(3, 120), loaded.config.vocab_size),
+            rng.randrange(60, 140),
+        )
+        for i in range(24)
+    ]
+    submitted: list[str] = []
+    readers: list[Reader] = []
+
+    def produce() -> None:  # a steady load: a request every 50 ms, retried as producers do
+        for request_id, prompt, max_tokens in cases:
+            submit = functools.partial(
+                client.submit,
+                prompt_token_ids=prompt,
+                max_tokens=max_tokens,
+                ignore_eos=True,
+                request_id=request_id,
+            )
+            retried(submit, "submit")
+            submitted.append(request_id)
+            reader = Reader(Client(sentinels.url), request_id)
+            reader.start()
+            readers.append(reader)
+            time.sleep(0.05)
+
+    producer = threading.Thread(target=produce, daemon=True)
+    producer.start()
+    total = sum(m for _, _, m in cases)
+    for share in (0.2, 0.5):
+        wait_until(
+            lambda s=share: published(client, [c[0] for c in cases]) > total * s,
+            timeout_s=180,
+            what=f"{share:.0%} of the tokens",
+        )
+        sentinels.kill_primary()
+    producer.join(120)
+    assert submitted == [c[0] for c in cases]  # every producer call was answered in the end
+
+    runner = reference_runner(loaded, pool.settings)
+    for (request_id, prompt, max_tokens), reader in zip(cases, readers):
+        chunks = retried(lambda r=request_id: list(client.stream(r, timeout_s=180)), "stream")  # type: ignore[arg-type]
+        tokens = check_stream(chunks)  # type: ignore[arg-type]  # no gap, no duplicate
+        want = generate_alone(runner, prompt, max_tokens, set(), pool.settings.max_model_len)
+        problem = first_divergence(tokens, want, TIE_TOLERANCE)
+        assert problem is None, f"{request_id}: {problem}"
+        reader.join(60)
+        assert reader.done and not reader.changed, (request_id, reader.changed[:2])
+        final = {c.seq: c for c in chunks}  # type: ignore[union-attr]
+        differ = [
+            (chunk, final.get(seq)) for seq, chunk in reader.seen.items() if final.get(seq) != chunk
+        ]
+        assert not differ, (request_id, differ[:2])
+    wait_until(
+        lambda: retried(lambda: client.redis.xlen(KEYS.requests), "xlen") == 0,
+        timeout_s=60,
+        what="every entry settled",
+    )
+    dead = retried(lambda: client.redis.xrange(KEYS.dead), "xrange")
+    for _, fields in dead:  # type: ignore[union-attr]
+        # only a producer's retry of a call whose answer was lost: the original answered
+        assert b"duplicates a request in progress" in fields[b"reason"], fields
+
+
+def test_a_sentinel_url_names_the_sentinels_and_the_primary() -> None:
+    address = sentinel_address("redis+sentinel://:secret@10.0.0.1:26379,h2/mymaster/3")
+    assert address is not None
+    assert address.sentinels == (("10.0.0.1", 26379), ("h2", 26379))
+    assert (address.service, address.db, address.password, address.ssl) == (
+        "mymaster",
+        3,
+        "secret",
+        False,
+    )
+    tls = sentinel_address("rediss+sentinel://h:1/m")
+    assert tls is not None and tls.ssl
+    assert sentinel_address("redis://h:6379/0") is None
+    for bad in ("redis+sentinel://h:1", "redis+sentinel://h:port/m", "redis+sentinel://h/m/x"):
+        with pytest.raises(ValueError, match="Sentinel"):
+            sentinel_address(bad)
+    assert replicas_to_wait("redis+sentinel://h/m", None) == 1
+    assert replicas_to_wait("redis://h/0", None) == 0
+    assert replicas_to_wait("redis+sentinel://h/m", 0) == 0
+    assert Settings(min_replicas_ack=2).min_replicas_ack == 2
+
+
+def test_a_wait_that_times_out_is_not_replicated_and_retryable(redis_url: str) -> None:
+    client = Client(redis_url, min_replicas_ack=1)  # a lone server has no replica to wait for
+    started = time.monotonic()
+    with pytest.raises(NotReplicated, match="reached 0 of the 1 replicas"):
+        client.submit("hello", request_id="lonely", max_tokens=2)
+    assert time.monotonic() - started < 5
+    assert isinstance(NotReplicated("x", 0, 1), redis.ConnectionError)  # retryable
+    with connect(redis_url) as plain:
+        assert plain.xlen(KEYS.requests) == 1  # it reached the primary all the same
