@@ -72,7 +72,6 @@ def test_gather_stacks_every_rank_and_combine_sums_each_ranks_rows_in_rank_order
         mine = slice(2 * rank, 2 * rank + 2)
         want = partial(0)[mine] + partial(1)[mine] + partial(2)[mine]
         assert torch.equal(got, want)
-    assert all(g.seconds > 0 for g in groups)  # the time in collectives is measured
 
 
 def test_a_group_forms_again_under_a_new_generation(redis_client) -> None:

@@ -9,9 +9,10 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from npu_worker.models import deepseek_v3
+from npu_worker.models import deepseek_v3_config as deepseek_v3
 from npu_worker.models.config import ModelConfig, UnsupportedModel
-from npu_worker.models.deepseek_v3 import DeepseekV3CausalLM, DeepseekV3Config
+from npu_worker.models.deepseek_v3 import DeepseekV3CausalLM
+from npu_worker.models.deepseek_v3_config import DeepseekV3Config
 from npu_worker.models.llama import CausalLM
 from npu_worker.models.moe import expert_share
 from npu_worker.models.weights import read_weights
