@@ -33,6 +33,7 @@ from schemas.connection import (
 )
 from schemas.keys import FIELD, Keys
 from schemas.messages import ChatMessage, Completion, GenerateRequest, ResultChunk
+from schemas.sentinel import still_primary, still_primary_async
 
 __all__ = [
     "AsyncClient",
@@ -97,6 +98,8 @@ class Client:
         parse_admission(reply)
         if acked < self.min_replicas_ack:
             raise NotReplicated(request.id, acked, self.min_replicas_ack)
+        if not still_primary(self.redis):
+            raise NotReplicated(request.id, acked, self.min_replicas_ack, stale=True)
         return request.id
 
     def stream(self, request_id: str, timeout_s: float | None = None) -> Iterator[ResultChunk]:
@@ -215,6 +218,8 @@ class AsyncClient:
         parse_admission(reply)
         if acked < self.min_replicas_ack:
             raise NotReplicated(request.id, acked, self.min_replicas_ack)
+        if not await still_primary_async(self.redis):
+            raise NotReplicated(request.id, acked, self.min_replicas_ack, stale=True)
         return request.id
 
     def subscribe(self, request_id: str, after: bytes = b"0-0") -> Subscription:

@@ -61,13 +61,17 @@ class NotReplicated(redis.ConnectionError):
     """The request reached the primary, but not `wanted` replicas within the timeout: a
     failover now could lose it. Retryable, as a lost connection is: submit it again with
     the same id (an id is run at most once; a copy that finds its original in progress is
-    dead-lettered, and the original answers)."""
+    dead-lettered, and the original answers). Raised too when the server that answered
+    is no longer the primary the Sentinels name (a stale primary, paused or partitioned
+    through a failover, whose writes the new primary never sees)."""
 
-    def __init__(self, request_id: str, acked: int, wanted: int) -> None:
-        super().__init__(
-            f"request {request_id} reached {acked} of the {wanted} replicas it must "
-            "(min_replicas_ack); retry with the same id"
+    def __init__(self, request_id: str, acked: int, wanted: int, stale: bool = False) -> None:
+        reached = (
+            "was acknowledged by a server that is no longer the primary"
+            if stale
+            else f"reached {acked} of the {wanted} replicas it must (min_replicas_ack)"
         )
+        super().__init__(f"request {request_id} {reached}; retry with the same id")
         self.request_id = request_id
         self.acked = acked
         self.wanted = wanted

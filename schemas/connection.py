@@ -6,79 +6,22 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import urllib.parse
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
 import redis
 import redis.asyncio as aioredis
-from redis.asyncio.sentinel import Sentinel as AsyncSentinel
-from redis.asyncio.sentinel import SentinelConnectionPool as AsyncSentinelPool
-from redis.asyncio.sentinel import SentinelManagedConnection as AsyncSentinelConnection
-from redis.sentinel import Sentinel, SentinelManagedConnection
 
 from schemas.config import cache_dir
+from schemas.sentinel import (
+    SENTINEL_READ_TIMEOUT_S,
+    async_sentinel_client,
+    redacted_url,
+    sentinel_address,
+    sentinel_client,
+)
 
-SENTINEL_SCHEMES = {"redis+sentinel": False, "rediss+sentinel": True}  # scheme -> TLS
-SENTINEL_PORT = 26379
-# Behind Sentinels a read gives up after this long (every blocking read here blocks for at
-# most a few seconds), so a client of a primary that hangs (paused, partitioned) notices,
-# asks the Sentinels again and finds the promoted replica.
-SENTINEL_READ_TIMEOUT_S = 10.0
-
-
-@dataclass(frozen=True, slots=True)
-class SentinelAddress:
-    """A `redis+sentinel://[[USER]:PASSWORD@]HOST:PORT[,HOST:PORT...]/MASTER_NAME[/DB]` URL
-    (`rediss+sentinel://` for TLS): the Sentinels to ask, and the primary they name. The
-    password is the primary's; Sentinels are asked without one."""
-
-    sentinels: tuple[tuple[str, int], ...]
-    service: str
-    db: int = 0
-    username: str | None = None
-    password: str | None = None
-    ssl: bool = False
-
-    def primary_kwargs(self) -> dict[str, Any]:
-        """Connection settings for the primary (and its replicas)."""
-        return {
-            "db": self.db,
-            "username": self.username,
-            "password": self.password,
-            "ssl": self.ssl,
-        }
-
-
-def sentinel_address(url: str) -> SentinelAddress | None:
-    """The Sentinel deployment a URL names; None for a plain `redis://` or `rediss://` URL.
-    Raises ValueError naming what is wrong with a malformed Sentinel URL."""
-    scheme, _, rest = url.partition("://")
-    if scheme not in SENTINEL_SCHEMES:
-        return None
-    netloc, _, path = rest.partition("/")
-    userinfo, _, hosts = netloc.rpartition("@")
-    username, _, password = userinfo.partition(":")
-    sentinels = []
-    for part in hosts.split(","):
-        host, _, port = part.strip().rpartition(":") if ":" in part else (part.strip(), "", "")
-        if not host or (port and not port.isdigit()):
-            raise ValueError(f"{redacted_url(url)}: {part!r} is not HOST:PORT of a Sentinel")
-        sentinels.append((host, int(port) if port else SENTINEL_PORT))
-    names = [p for p in path.split("?")[0].split("/") if p]
-    if not names or len(names) > 2 or (len(names) == 2 and not names[1].isdigit()):
-        raise ValueError(
-            f"{redacted_url(url)}: a Sentinel URL ends in /MASTER_NAME or /MASTER_NAME/DB"
-        )
-    return SentinelAddress(
-        sentinels=tuple(sentinels),
-        service=urllib.parse.unquote(names[0]),
-        db=int(names[1]) if len(names) == 2 else 0,
-        username=urllib.parse.unquote(username) or None,
-        password=urllib.parse.unquote(password) or None,
-        ssl=SENTINEL_SCHEMES[scheme],
-    )
+__all__ = ["redacted_url", "sentinel_address"]  # also found here, where URLs are resolved
 
 
 def replicas_to_wait(url: str, min_replicas_ack: int | None) -> int:
@@ -105,19 +48,12 @@ def connect(
             health_check_interval=30,
             decode_responses=False,
         )
-    sentinel = Sentinel(
-        list(address.sentinels),
-        socket_connect_timeout=timeout_s,
-        sentinel_kwargs={"socket_connect_timeout": timeout_s, "ssl": address.ssl},
-    )
-    return sentinel.master_for(
-        address.service,
+    return sentinel_client(
+        address,
         socket_connect_timeout=timeout_s,
         socket_timeout=read_timeout_s or SENTINEL_READ_TIMEOUT_S,
         health_check_interval=30,
         decode_responses=False,
-        connection_class=_PrimarySSLConnection if address.ssl else _PrimaryConnection,
-        **address.primary_kwargs(),
     )
 
 
@@ -136,60 +72,9 @@ def connect_async(url: str, max_connections: int) -> aioredis.Redis:
     if address is None:
         pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=max_connections)
         return aioredis.Redis(connection_pool=pool)
-    sentinel = AsyncSentinel(list(address.sentinels), sentinel_kwargs={"ssl": address.ssl})
-    return sentinel.master_for(
-        address.service,
-        connection_pool_class=_BlockingSentinelPool,
-        max_connections=max_connections,
-        socket_timeout=SENTINEL_READ_TIMEOUT_S,
-        connection_class=_AsyncPrimarySSLConnection if address.ssl else _AsyncPrimaryConnection,
-        **address.primary_kwargs(),
+    return async_sentinel_client(
+        address, max_connections=max_connections, socket_timeout=SENTINEL_READ_TIMEOUT_S
     )
-
-
-class _BlockingSentinelPool(AsyncSentinelPool, aioredis.BlockingConnectionPool):
-    """Sentinel's pool of connections to the current primary, waiting for a free one."""
-
-
-def _demoted(exc: redis.ResponseError) -> bool:
-    """Whether an error says the server is no primary any more: redis-py turns a plain
-    READONLY into a reconnect, but one a script's write met arrives as a script error."""
-    return "READONLY" in str(exc)
-
-
-class _PrimaryConnection(SentinelManagedConnection):
-    """A connection to the Sentinels' primary that asks them again when a script's write
-    is refused as READONLY (the server it reached has been demoted)."""
-
-    def read_response(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return super().read_response(*args, **kwargs)
-        except redis.ResponseError as exc:
-            if not (self.connection_pool.is_master and _demoted(exc)):
-                raise
-            self.disconnect()
-            raise redis.ConnectionError(f"the primary was demoted: {exc}") from exc
-
-
-class _PrimarySSLConnection(_PrimaryConnection, redis.SSLConnection):
-    """_PrimaryConnection over TLS."""
-
-
-class _AsyncPrimaryConnection(AsyncSentinelConnection):
-    """The asyncio _PrimaryConnection."""
-
-    async def read_response(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return await super().read_response(*args, **kwargs)
-        except redis.ResponseError as exc:
-            if not (self.connection_pool.is_master and _demoted(exc)):
-                raise
-            await self.disconnect()
-            raise redis.ConnectionError(f"the primary was demoted: {exc}") from exc
-
-
-class _AsyncPrimarySSLConnection(_AsyncPrimaryConnection, aioredis.SSLConnection):
-    """_AsyncPrimaryConnection over TLS."""
 
 
 Entry = tuple[bytes, dict[bytes, bytes]]
@@ -234,15 +119,6 @@ def resolve_redis_url(redis_url: str | None) -> str:
         "no Redis to talk to: pass --redis-url, set REDIS_URL, or start `npu-pool up` "
         f"(it records its embedded Redis in {record})"
     )
-
-
-def redacted_url(url: str) -> str:
-    """`url` with its password shown as `***`, for logs and `npu-pool status`."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.netloc.rsplit("@", 1)[1]
-    return urllib.parse.urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
 
 
 def _pid_alive(pid: int) -> bool:

@@ -4,7 +4,9 @@ Sentinel), with the failures a test inflicts on the primary."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -55,6 +57,7 @@ class SentinelDeployment:
                 f"sentinel down-after-milliseconds {SERVICE} {DOWN_AFTER_MS}\n"
                 f"sentinel failover-timeout {SERVICE} 6000\n"
                 f"sentinel parallel-syncs {SERVICE} 2\n"
+                f"logfile {self.root / f'sentinel-{port}.log'}\n"
             )
             self.processes[port] = subprocess.Popen(
                 [self.server, str(config), "--sentinel"],
@@ -83,6 +86,19 @@ class SentinelDeployment:
         )  # the dead primary comes back as a replica
         return new
 
+    def pause_primary(self) -> int:
+        """SIGSTOP the primary; once the Sentinels have promoted a replica, SIGCONT it (a
+        stale primary that still holds its clients' connections, until the Sentinels demote
+        it to a replica of the new one); the new primary's port."""
+        old = self.primary_port()
+        os.kill(self.processes[old].pid, signal.SIGSTOP)
+        try:
+            new = self._promoted(old)
+        finally:
+            os.kill(self.processes[old].pid, signal.SIGCONT)
+        self._wait(lambda: self._role(old) == "slave", timeout_s=60)
+        return new
+
     def stop(self) -> None:
         """Stop every server."""
         for process in self.processes.values():
@@ -94,7 +110,8 @@ class SentinelDeployment:
         data = self.root / f"data-{port}"
         data.mkdir(exist_ok=True)
         self.processes[port] = subprocess.Popen(
-            [self.server, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data), *flags],
+            [self.server, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data)]
+            + ["--logfile", str(data / "redis.log"), *flags],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )

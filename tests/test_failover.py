@@ -21,6 +21,7 @@ from schemas.config import Settings
 from schemas.connection import connect, replicas_to_wait, sentinel_address
 from schemas.keys import Keys
 from schemas.messages import ResultChunk
+from schemas.sentinel import still_primary
 from tests.helpers import (
     TIE_TOLERANCE,
     check_stream,
@@ -30,7 +31,7 @@ from tests.helpers import (
     wait_until,
 )
 from tests.reference import first_divergence, generate_alone
-from tests.sentinels import SentinelDeployment
+from tests.sentinels import SERVICE, SentinelDeployment
 
 RETRYABLE = (redis.ConnectionError, redis.TimeoutError, NotReplicated)
 KEYS = Keys()
@@ -96,9 +97,13 @@ def published(client: Client, ids: list[str]) -> int:
     return int(retried(count, "xlen"))  # type: ignore[call-overload]
 
 
-def test_a_primary_killed_twice_loses_nothing_and_doubles_nothing(
-    sentinels: SentinelDeployment, start_pool
+@pytest.mark.parametrize("failure", ["kill", "pause"])
+def test_a_primary_lost_twice_loses_nothing_and_doubles_nothing(
+    failure: str, sentinels: SentinelDeployment, start_pool
 ) -> None:
+    """`kill -9` of the primary, or SIGSTOP until a replica is promoted and then SIGCONT
+    (the stale primary serves its old connections until the Sentinels demote it), twice in
+    one run under load."""
     pool = start_pool(
         url=sentinels.url,
         ranks=2,
@@ -147,7 +152,7 @@ def test_a_primary_killed_twice_loses_nothing_and_doubles_nothing(
             timeout_s=180,
             what=f"{share:.0%} of the tokens",
         )
-        sentinels.kill_primary()
+        sentinels.kill_primary() if failure == "kill" else sentinels.pause_primary()
     producer.join(120)
     assert submitted == [c[0] for c in cases]  # every producer call was answered in the end
 
@@ -207,3 +212,25 @@ def test_a_wait_that_times_out_is_not_replicated_and_retryable(redis_url: str) -
     assert isinstance(NotReplicated("x", 0, 1), redis.ConnectionError)  # retryable
     with connect(redis_url) as plain:
         assert plain.xlen(KEYS.requests) == 1  # it reached the primary all the same
+
+
+def test_a_client_leaves_a_server_that_is_no_longer_the_primary(
+    sentinels: SentinelDeployment,
+) -> None:
+    client = connect(sentinels.url)
+    client.set("k", "1")
+    assert still_primary(client)
+    old = sentinels.primary_port()
+    # a primary that may not write (NOREPLICAS) is left as a demoted one is
+    primary = redis.Redis(port=old)
+    primary.config_set("min-replicas-to-write", 3)
+    with pytest.raises(redis.ConnectionError, match="demoted"):
+        client.set("k", "2")
+    primary.config_set("min-replicas-to-write", 0)
+    client.set("k", "3")
+    # after a promotion, the server this thread wrote to is no longer the primary
+    redis.Redis(port=sentinels.sentinel_ports[0]).execute_command("SENTINEL FAILOVER", SERVICE)
+    wait_until(lambda: not still_primary(client), timeout_s=30, what="the promotion seen")
+    wait_until(lambda: retried(lambda: client.set("k", "4"), "set"), what="a write")
+    assert still_primary(client)
+    assert client.connection_pool.connection_kwargs["connection_pool"].master_address[1] != old
