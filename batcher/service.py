@@ -54,6 +54,7 @@ from schemas.keys import Keys
 from schemas.messages import FinishReason
 from schemas.metrics import serve_metrics
 from schemas.registry import BatcherState, PoolField
+from schemas.sentinel import primary_of
 
 log = logging.getLogger("npu_pool.batcher")
 GAUGES = ("running", "waiting", "queue_depth")
@@ -121,6 +122,7 @@ class Batcher:
             self.redis, self.keys, self.pool, self.registry, s.max_inflight_steps
         )
         self.epoch = 0
+        self.primary: tuple[str, int] | None = None  # behind Sentinels: this epoch's primary
         self.step = 0
         self.regroup = False
         self.last_housekeeping = 0.0
@@ -145,6 +147,11 @@ class Batcher:
                     break
                 try:
                     self._tick()
+                    if primary_of(self.redis) != self.primary:
+                        # a failover without an error here: what was written to the old
+                        # primary since its last replication (steps, plans) may be gone
+                        log.warning("Redis failed over to %s; a new epoch", primary_of(self.redis))
+                        self._start_epoch()
                 except REDIS_ERRORS as exc:
                     log.warning("Redis unavailable (%s); waiting for it", exc)
                     self._wait_for_redis()
@@ -211,6 +218,7 @@ class Batcher:
         self._publish_limits()
         pool_key = self.keys.pool(self.pool)
         self.epoch = int(self.redis.hincrby(pool_key, PoolField.EPOCH, 1))
+        self.primary = primary_of(self.redis)
         self.channel.open()
         self.redis.sadd(self.keys.pools, self.pool)
         self.redis.hset(

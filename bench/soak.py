@@ -1,29 +1,39 @@
 """Soak: thousands of requests of mixed priorities with random cancels and a worker kill
-every minute.
+every minute, or (`--failover-every`) a replicated Redis whose primary is killed or paused
+every so often.
 
 Reports requests submitted, completed, cancelled, lost (must be 0) and duplicated tokens
 (must be 0), after checking every result stream's chunks; and memory: each worker's RSS
 after warm-up and at the end, and Redis's used memory before, at the end, and once the
-result streams have expired (when `--result-ttl` is at most 600 s). Not part of CI:
+result streams have expired (when `--result-ttl` is at most 600 s). With failovers, each
+one's time from the failure to the first step the pool published on the new primary. Not
+part of CI:
 
     python bench/soak.py --requests 3000 --kill-every 60 --json bench/out/soak.json
     python bench/soak.py --requests 10000 --kill-every 0 --result-ttl 20   # memory soak
+    python bench/soak.py --requests 10000 --kill-every 0 --failover-every 60 --failovers 3
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import cast
+from typing import TypeVar, cast
+
+import redis
 
 from npu_pool.embedded import EmbeddedRedis
 from npu_pool.launcher import PoolProcesses
+from npu_pool.replicated import SentinelDeployment
 from producer.client import Client
+from producer.requests import NotReplicated
 from producer.status import pool_status, queue_depths
 from schemas.codec import decode
 from schemas.config import Settings
@@ -32,6 +42,83 @@ from schemas.keys import Keys
 from schemas.messages import ResultChunk
 
 MAX_EXPIRY_WAIT_S = 600
+RETRYABLE = (redis.ConnectionError, redis.TimeoutError, NotReplicated)
+T = TypeVar("T")
+
+
+def retried(call: Callable[[], T], timeout_s: float = 120.0) -> T:
+    """`call()` until it answers, as a producer retries a retryable error (same arguments,
+    so the same request id)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return call()
+        except RETRYABLE:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+class Failovers:
+    """A replicated Redis whose primary is killed or paused every `every_s` seconds, up to
+    `limit` times, timing each failure to the first step published after it."""
+
+    def __init__(self, root: Path, every_s: float, limit: int, kind: str) -> None:
+        self.deployment = SentinelDeployment(root)
+        self.every_s, self.limit, self.kind = every_s, limit, kind
+        self.recoveries_s: list[float | None] = []
+        self.last = time.monotonic()
+        self.thread: threading.Thread | None = None
+
+    def start(self) -> str:
+        self.deployment.root.mkdir(parents=True, exist_ok=True)
+        self.deployment.start()
+        return self.deployment.url
+
+    def maybe_inflict(self, client: Client, steps_key: str) -> None:
+        """Start the next failure on a thread of its own when one is due."""
+        if self.thread is not None and self.thread.is_alive():
+            return
+        started = len(self.recoveries_s) + (self.thread is not None and self.thread.is_alive())
+        if started < self.limit and time.monotonic() - self.last >= self.every_s:
+            self.thread = threading.Thread(target=self.inflict, args=(client, steps_key))
+            self.thread.start()
+
+    def join(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+
+    def inflict(self, client: Client, steps_key: str) -> None:
+        """Fail the primary now; time it to the first step result written after it (read
+        while the failure runs its course: the steps stream is trimmed)."""
+        self.deployment.failed_at_ms = 0.0
+        first: list[float] = []
+        watcher = threading.Thread(target=self._watch, args=(client, steps_key, first))
+        watcher.start()
+        if self.kind == "kill":
+            self.deployment.kill_primary()
+        else:
+            self.deployment.pause_primary()
+        watcher.join()
+        failed_ms = self.deployment.failed_at_ms
+        # None: the pool had nothing left to run
+        self.recoveries_s.append(round((first[0] - failed_ms) / 1000, 2) if first else None)
+        self.last = time.monotonic()
+
+    def _watch(self, client: Client, steps_key: str, first: list[float]) -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            failed_ms = self.deployment.failed_at_ms
+            if failed_ms:
+                after = retried(
+                    functools.partial(
+                        client.redis.xrange, steps_key, min=f"{int(failed_ms) + 1}", count=1
+                    )
+                )
+                if after:  # the entry id is the server's clock
+                    first.append(float(cast(list[Entry], after)[0][0].split(b"-")[0]))
+                    return
+            time.sleep(0.02)
 
 
 def audit(client: Client, request_ids: list[str]) -> dict[str, int]:
@@ -47,7 +134,9 @@ def audit(client: Client, request_ids: list[str]) -> dict[str, int]:
     }
     keys = Keys()
     for request_id in request_ids:
-        entries = cast(list[Entry], client.redis.xrange(keys.result(request_id)))
+        entries = retried(
+            lambda r=request_id: cast(list[Entry], client.redis.xrange(keys.result(r)))  # type: ignore[misc]
+        )
         chunks = [decode(ResultChunk, fields[b"m"]) for _, fields in entries]
         finals = [c for c in chunks if c.is_final]
         expected_index = 0
@@ -69,7 +158,9 @@ def audit(client: Client, request_ids: list[str]) -> dict[str, int]:
 
 def outstanding(client: Client) -> int:
     """Requests queued or running, over every priority class."""
-    return sum(depth for depth, _ in queue_depths(client.redis, client.keys).values())
+    return retried(
+        lambda: sum(depth for depth, _ in queue_depths(client.redis, client.keys).values())
+    )
 
 
 def _worker_rss(processes: PoolProcesses) -> dict[str, int]:
@@ -86,7 +177,7 @@ def _worker_rss(processes: PoolProcesses) -> dict[str, int]:
 
 def _redis_memory(client: Client) -> float:
     """Redis `used_memory` in MiB."""
-    return round(int(client.redis.info("memory")["used_memory"]) / 2**20, 2)
+    return round(int(retried(lambda: client.redis.info("memory"))["used_memory"]) / 2**20, 2)
 
 
 def main() -> None:
@@ -96,6 +187,14 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=128)
     parser.add_argument("--cancel-rate", type=float, default=0.1)
     parser.add_argument("--kill-every", type=float, default=60.0, help="seconds between kills")
+    parser.add_argument(
+        "--failover-every",
+        type=float,
+        default=0.0,
+        help="seconds between failures of the primary of a replicated Redis (0: one Redis)",
+    )
+    parser.add_argument("--failovers", type=int, default=3, help="how many failures in all")
+    parser.add_argument("--failover-kind", choices=["kill", "pause"], default="kill")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--result-ttl", type=int, default=3600, help="result stream TTL, s")
     parser.add_argument(
@@ -109,8 +208,15 @@ def main() -> None:
     args = parser.parse_args()
     rng = random.Random(args.seed)
     workdir = Path(tempfile.mkdtemp(prefix="npupool-soak-"))
-    server = EmbeddedRedis(data_dir=workdir / "redis")
-    url = server.start()
+    failovers = None
+    if args.failover_every:
+        failovers = Failovers(
+            workdir / "ha", args.failover_every, args.failovers, args.failover_kind
+        )
+        url = failovers.start()
+    else:
+        server = EmbeddedRedis(data_dir=workdir / "redis")
+        url = server.start()
     settings = Settings(
         result_ttl_s=args.result_ttl,
         redis_url=url,
@@ -140,34 +246,41 @@ def main() -> None:
 
     threading.Thread(target=supervise_and_kill, daemon=True).start()
     client = Client(url)
+    keys = Keys()
     client.wait_ready(timeout_s=300)
+    steps_key = keys.step_results(settings.pool)
     redis_baseline = _redis_memory(client)
     rss_start: dict[str, int] = {}
     started = time.monotonic()
     ids: list[str] = []
     cancels = 0
-    keys = Keys()
     try:
         while len(ids) < args.requests:
+            if failovers is not None:
+                failovers.maybe_inflict(client, steps_key)
             if outstanding(client) >= args.concurrency:
                 time.sleep(0.01)
                 continue
             length = rng.randrange(1, 300)
-            ids.append(
-                client.submit(
-                    prompt_token_ids=[rng.randrange(2, 500) for _ in range(length)],
-                    max_tokens=rng.randrange(8, 96),
-                    priority=rng.choice(args.priorities),
-                )
+            submit = functools.partial(
+                client.submit,
+                prompt_token_ids=[rng.randrange(2, 500) for _ in range(length)],
+                max_tokens=rng.randrange(8, 96),
+                priority=rng.choice(args.priorities),
+                request_id=f"soak-{args.seed}-{len(ids)}",
             )
+            ids.append(retried(submit))
             if len(ids) == 500:  # warmed up: every launch shape and allocator pool used
                 rss_start = _worker_rss(processes)
             if rng.random() < args.cancel_rate:
-                client.cancel(rng.choice(ids[-50:]))
+                victim = rng.choice(ids[-50:])
+                retried(lambda v=victim: client.cancel(v))  # type: ignore[misc]
                 cancels += 1
         deadline = time.monotonic() + 600
         while outstanding(client) and time.monotonic() < deadline:
             time.sleep(0.5)
+        if failovers is not None:  # a failure under way is timed to its end
+            failovers.join()
         elapsed = time.monotonic() - started
         rss_end = _worker_rss(processes)
         redis_end = _redis_memory(client)
@@ -185,6 +298,16 @@ def main() -> None:
             "submitted": len(ids),
             "cancels_sent": cancels,
             "worker_kills": len(kills),
+            **(
+                {
+                    "failovers": len(failovers.recoveries_s),
+                    "failover_kind": failovers.kind,
+                    "failure_to_first_step_s": failovers.recoveries_s,
+                    "dead_letters": retried(lambda: client.redis.xlen(keys.dead)),
+                }
+                if failovers is not None
+                else {}
+            ),
             "preempted": pool_status(client.redis, keys, settings.pool, 0)["preempted"],
             "seconds": round(elapsed, 1),
             **counts,
@@ -199,7 +322,10 @@ def main() -> None:
     finally:
         stop.set()
         processes.stop(timeout_s=30)
-        server.stop()
+        if failovers is not None:
+            failovers.deployment.stop()
+        else:
+            server.stop()
     print(json.dumps(report, indent=2))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -17,6 +17,7 @@ never fail once it is a replica. Three changes here close that:
 from __future__ import annotations
 
 import contextvars
+import logging
 import time
 import urllib.parse
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ SENTINEL_READ_TIMEOUT_S = 10.0
 SENTINEL_TIMEOUT_S = 2.0  # a Sentinel that does not answer in this long is skipped
 PRIMARY_CHECK_S = 1.0  # how stale a pool's idea of the primary may be
 
+log = logging.getLogger("npu_pool.redis")
 Address = tuple[str, int]
 # The server the current thread or task last sent a command to.
 _last_server: contextvars.ContextVar[Address | None] = contextvars.ContextVar(
@@ -175,7 +177,9 @@ class FollowingPool(SentinelConnectionPool):
         now = time.monotonic()
         if now - self.checked >= PRIMARY_CHECK_S:
             self.checked = now
-            self.proxy.get_master_address()  # closes idle connections if it moved
+            before = self.proxy.master_address
+            after = self.proxy.get_master_address()  # closes idle connections if it moved
+            _log_move(before, after)
         return super().get_connection(*args, **kwargs)
 
 
@@ -190,8 +194,21 @@ class AsyncFollowingPool(AsyncSentinelPool, aioredis.BlockingConnectionPool):
         now = time.monotonic()
         if now - self.checked >= PRIMARY_CHECK_S:
             self.checked = now
-            await self.get_master_address()
+            before = self.master_address
+            _log_move(before, await self.get_master_address())
         return await super().get_connection(*args, **kwargs)
+
+
+def _log_move(before: Address | None, after: Address) -> None:
+    if before is not None and before != after:
+        log.info("the Sentinels name %s:%d as the primary now (was %s:%d)", *after, *before)
+
+
+def primary_of(client: redis.Redis) -> Address | None:
+    """The primary a Sentinel client's pool last found (None for a plain URL's client): a
+    process that sees it change knows that what it wrote before may be gone."""
+    pool = client.connection_pool
+    return pool.proxy.master_address if isinstance(pool, SentinelConnectionPool) else None
 
 
 def still_primary(client: redis.Redis) -> bool:

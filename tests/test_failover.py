@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from npu_pool.replicated import SERVICE, SentinelDeployment
 from producer.client import Client
 from producer.requests import NotReplicated
 from schemas.config import Settings
@@ -31,7 +32,6 @@ from tests.helpers import (
     wait_until,
 )
 from tests.reference import first_divergence, generate_alone
-from tests.sentinels import SERVICE, SentinelDeployment
 
 RETRYABLE = (redis.ConnectionError, redis.TimeoutError, NotReplicated)
 KEYS = Keys()

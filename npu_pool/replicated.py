@@ -1,6 +1,7 @@
-"""A replicated Redis for tests: a primary, two replicas and three Sentinels, real
-`redis-server` processes on loopback (Debian's package; `redis-server --sentinel` runs a
-Sentinel), with the failures a test inflicts on the primary."""
+"""A replicated Redis on loopback, for the failover tests and `bench/soak.py
+--failover-every`: a primary, two replicas and three Sentinels, real `redis-server`
+processes (Debian's package; `redis-server --sentinel` runs a Sentinel), and the failures
+inflicted on the primary (kill -9, or a pause until a replica is promoted)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, cast
 
 import redis
 
@@ -34,6 +37,7 @@ class SentinelDeployment:
         self.data_ports = [free_port() for _ in range(3)]
         self.sentinel_ports = [free_port() for _ in range(3)]
         self.processes: dict[int, subprocess.Popen[bytes]] = {}
+        self.failed_at_ms = 0.0  # when the last failure was inflicted (wall clock)
 
     @property
     def url(self) -> str:
@@ -47,8 +51,9 @@ class SentinelDeployment:
         for port in self.data_ports:
             replica_of = [] if port == first else ["--replicaof", "127.0.0.1", str(first)]
             self._spawn(port, ["--appendonly", "yes", "--save", "", *replica_of])
-        for port in self.data_ports[1:]:
-            self._wait(lambda p=port: self._role(p) == "slave" and self._linked(p))
+        self._wait(
+            lambda: all(self._role(p) == "slave" and self._linked(p) for p in self.data_ports[1:])
+        )
         for port in self.sentinel_ports:
             config = self.root / f"sentinel-{port}.conf"
             config.write_text(
@@ -70,7 +75,7 @@ class SentinelDeployment:
         """The port of the primary the Sentinels name now."""
         client = redis.Redis(port=self.sentinel_ports[0], socket_timeout=2)
         try:
-            host, port = client.sentinel_get_master_addr_by_name(SERVICE)
+            _, port = cast(tuple[str, int], client.sentinel_get_master_addr_by_name(SERVICE))
             return int(port)
         finally:
             client.close()
@@ -78,6 +83,7 @@ class SentinelDeployment:
     def kill_primary(self) -> int:
         """SIGKILL the primary; wait for the Sentinels to promote a replica; its port."""
         old = self.primary_port()
+        self.failed_at_ms = time.time() * 1000
         self.processes[old].kill()
         self.processes[old].wait()
         new = self._promoted(old)
@@ -91,6 +97,7 @@ class SentinelDeployment:
         stale primary that still holds its clients' connections, until the Sentinels demote
         it to a replica of the new one); the new primary's port."""
         old = self.primary_port()
+        self.failed_at_ms = time.time() * 1000
         os.kill(self.processes[old].pid, signal.SIGSTOP)
         try:
             new = self._promoted(old)
@@ -144,7 +151,7 @@ class SentinelDeployment:
         try:
             client = redis.Redis(port=port, socket_timeout=1)
             try:
-                master = client.sentinel_master(SERVICE)
+                master = cast(dict[str, Any], client.sentinel_master(SERVICE))
                 return (
                     int(master.get("num-slaves", 0)) >= 2
                     and int(master.get("num-other-sentinels", 0)) >= 2
@@ -154,7 +161,7 @@ class SentinelDeployment:
         except redis.RedisError:
             return False
 
-    def _wait(self, condition, timeout_s: float = 20.0) -> None:  # type: ignore[no-untyped-def]
+    def _wait(self, condition: Callable[[], bool], timeout_s: float = 20.0) -> None:
         deadline = time.monotonic() + timeout_s
         while not condition():
             if time.monotonic() > deadline:
