@@ -19,6 +19,7 @@ from batcher.counts import PoolCounts
 from batcher.durability import Delivery, count_delivery
 from batcher.intake import (
     ModelFacts,
+    Settler,
     Tracked,
     end_by_batcher,
     make_sequence,
@@ -56,6 +57,7 @@ class RequestBook:
         self.keys = keys
         self.settings = settings
         self.writer = ResultWriter(client, keys)
+        self.settler = Settler(client, keys)
         self.counts = PoolCounts()
         self.limits: dict[str, int] = {"max_queue": settings.max_queue}
         self.new_epoch(state)
@@ -217,7 +219,7 @@ class RequestBook:
         self.tracked.pop(tracked.request_id, None)
         if self.metrics is not None:
             self.metrics.forget(tracked.request_id)
-        settle(pipe, tracked.stream, tracked.entry_id)
+        self.settler.finished(pipe, tracked)
         self.counts.finished += 1
 
     def stop(self, request_id: str, reason: FinishReason) -> None:

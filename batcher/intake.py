@@ -164,9 +164,45 @@ def write_dead_letter(
 
 
 def settle(pipe: redis.client.Pipeline, stream: str, entry_id: bytes) -> None:
-    """Acknowledge and delete a request entry whose final chunk is written."""
+    """Acknowledge and delete a request entry that has no result stream to wait for."""
     pipe.xack(stream, GROUP, entry_id)
     pipe.xdel(stream, entry_id)
+
+
+# Acknowledge and delete a request entry only on a server that holds its final chunk:
+# KEYS[1] the request stream, KEYS[2] its result stream; ARGV[1] the group, ARGV[2] the
+# entry id. Returns 1 if settled. A batcher that read the final chunk on a primary just
+# before a failover may send this to the promoted replica, which never got the chunk: the
+# entry then stays pending, and the new epoch resumes the request from what it holds.
+SETTLE_SCRIPT = """
+local last = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
+if #last == 0 then return 0 end
+local fields = last[1][2]
+for i = 1, #fields, 2 do
+  if fields[i] == 'final' and fields[i + 1] == '1' then
+    redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+    redis.call('XDEL', KEYS[1], ARGV[2])
+    return 1
+  end
+end
+return 0
+"""
+
+
+class Settler:
+    """Queues SETTLE_SCRIPT calls on a pipeline (loaded once, as the pipeline needs it)."""
+
+    def __init__(self, client: redis.Redis, keys: Keys) -> None:
+        self.keys = keys
+        self.script = client.register_script(SETTLE_SCRIPT)
+
+    def finished(self, pipe: redis.client.Pipeline, tracked: Tracked) -> None:
+        """Settle `tracked`'s entry where its final chunk is written."""
+        self.script(
+            keys=[tracked.stream, self.keys.result(tracked.request_id)],
+            args=[GROUP, tracked.entry_id],
+            client=pipe,
+        )
 
 
 def end_by_batcher(

@@ -15,12 +15,13 @@ from pathlib import Path
 import pytest
 import redis
 
+from batcher.intake import SETTLE_SCRIPT
 from npu_pool.replicated import SERVICE, SentinelDeployment
 from producer.client import Client
 from producer.requests import NotReplicated
 from schemas.config import Settings
 from schemas.connection import connect, replicas_to_wait, sentinel_address
-from schemas.keys import Keys
+from schemas.keys import GROUP, Keys
 from schemas.messages import ResultChunk
 from schemas.sentinel import still_primary
 from tests.helpers import (
@@ -234,3 +235,25 @@ def test_a_client_leaves_a_server_that_is_no_longer_the_primary(
     wait_until(lambda: retried(lambda: client.set("k", "4"), "set"), what="a write")
     assert still_primary(client)
     assert client.connection_pool.connection_kwargs["connection_pool"].master_address[1] != old
+
+
+def test_an_entry_is_settled_only_where_its_final_chunk_is(redis_url: str) -> None:
+    """The batcher may read a final chunk on a primary and settle on the promoted replica,
+    which never got it: the entry must stay there, to be resumed."""
+    client = redis.Redis.from_url(redis_url)
+    stream, result = KEYS.requests, KEYS.result("r1")
+    client.xgroup_create(stream, GROUP, id="0", mkstream=True)
+    entry_id = client.xadd(stream, {"m": b"x"})
+    client.xreadgroup(GROUP, "pool-a", {stream: ">"})
+    settle = client.register_script(SETTLE_SCRIPT)
+
+    def settled() -> bool:
+        return bool(settle(keys=[stream, result], args=[GROUP, entry_id]))
+
+    assert not settled()  # no result stream at all
+    client.xadd(result, {"m": b"c0", "seq": 0, "final": "0"})
+    assert not settled()  # chunks, but not the final one
+    assert client.xlen(stream) == 1 and client.xpending(stream, GROUP)["pending"] == 1
+    client.xadd(result, {"m": b"c1", "seq": 1, "final": "1"})
+    assert settled()
+    assert client.xlen(stream) == 0 and client.xpending(stream, GROUP)["pending"] == 0
