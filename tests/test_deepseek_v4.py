@@ -1,0 +1,124 @@
+"""DeepSeek-V4 (docs/architecture.md §8): tiny random checkpoints written by `transformers`,
+every layer type (sliding, CSA, HCA) and both MoE kinds present, are served with the tokens
+of `transformers`' own greedy `generate` (one prompt at a time: its V4 is right only at
+batch size 1), with small windows and with V4-Flash's 128/4/128; the indexer's ties go to
+the lowest entry whatever the launch; per-slot state is the size its formula says."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from npu_worker.models.deepseek_v4 import DeepseekV4CausalLM
+from npu_worker.models.deepseek_v4_config import state_elements_per_slot
+from npu_worker.models.deepseek_v4_state import DeepseekV4State
+from npu_worker.models.loader import load_model
+from npu_worker.runner import LaunchRunner
+from tests.helpers import TIE_TOLERANCE, launch_shapes, random_prompt
+from tests.reference import ReferenceCompletion, first_divergence, generate_alone
+from tests.test_hf_parity import hf_greedy
+
+make = pytest.importorskip("bench.make_deepseek_v4")
+MAX_MODEL_LEN = 768
+PROMPT_LENGTHS = (20, 150, 300, 600)
+NEW_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Small windows (16, rates 4/16) and V4-Flash's (128, rates 4/128)."""
+    root = tmp_path_factory.mktemp("deepseek_v4")
+    made = {windows: root / windows for windows in ("small", "real")}
+    for windows, path in made.items():
+        make.build(path, windows)
+    return made
+
+
+def lone(path: Path, prompts: list[list[int]], max_tokens: int) -> list[ReferenceCompletion]:
+    """Each prompt run alone on one rank holding every expert."""
+    loaded = load_model(path, "auto", torch.device("cpu"), MAX_MODEL_LEN)
+    runner = LaunchRunner(loaded.model, launch_shapes(1, MAX_MODEL_LEN, 128, 1))
+    return [generate_alone(runner, p, max_tokens, set(), MAX_MODEL_LEN) for p in prompts]
+
+
+def transformers_model(path: Path) -> torch.nn.Module:
+    import transformers
+
+    return transformers.DeepseekV4ForCausalLM.from_pretrained(path).eval()
+
+
+@pytest.mark.parametrize("windows", ["small", "real"])
+def test_chunked_prefill_and_decode_give_the_tokens_of_transformers_generate(
+    windows: str, checkpoints: dict[str, Path]
+) -> None:
+    path = checkpoints[windows]
+    model = transformers_model(path)
+    rng = random.Random(21)
+    prompts = [random_prompt(rng, n, make.VOCAB_SIZE) for n in PROMPT_LENGTHS]
+    for prompt, reference in zip(prompts, lone(path, prompts, NEW_TOKENS)):
+        wanted = hf_greedy(model, prompt, NEW_TOKENS)
+        problem = first_divergence(reference.token_ids, wanted, TIE_TOLERANCE)
+        assert problem is None, f"{windows} windows, prompt of {len(prompt)}: {problem}"
+
+
+def test_indexer_ties_go_to_the_lowest_entries_whatever_the_span(
+    checkpoints: dict[str, Path],
+) -> None:
+    loaded = load_model(checkpoints["small"], "auto", torch.device("cpu"), MAX_MODEL_LEN)
+    model = loaded.model
+    assert isinstance(model, DeepseekV4CausalLM)
+    indexers = [
+        layer.attn.indexer for layer in model.model.layers if hasattr(layer.attn, "indexer")
+    ]
+    assert indexers
+    with torch.no_grad():
+        for indexer in indexers:  # every score is relu(0) = 0: all entries tie
+            indexer.wq_b.weight.zero_()
+    # the tie itself: the lowest `index_topk` closed entries, for every query
+    indexer, config = indexers[0], model.config
+    batch, seq, entries = 2, 3, 40
+    keys = torch.randn(batch, entries, config.index_head_dim)
+    closed = torch.arange(entries)[None, None] < torch.tensor([[5, 20, 40], [0, 9, 33]])[..., None]
+    x, q_low = (
+        torch.randn(batch, seq, config.hidden_size),
+        torch.randn(batch, seq, config.q_lora_rank),
+    )
+    cos, sin = (
+        torch.ones(batch, seq, config.rope_dim // 2),
+        torch.zeros(batch, seq, config.rope_dim // 2),
+    )
+    seen = indexer(x, q_low, keys, cos, sin, closed)
+    lowest = torch.arange(entries)[None, None] < config.index_topk
+    assert torch.equal(seen, closed & lowest)
+    # and a request's logits do not depend on the span or the row its launch reads
+    runner = LaunchRunner(model, launch_shapes(4, MAX_MODEL_LEN, 128, 4))
+    rng = random.Random(22)
+    prompt, other = (
+        random_prompt(rng, 90, make.VOCAB_SIZE),
+        random_prompt(rng, 500, make.VOCAB_SIZE),
+    )
+    for slot, tokens in ((0, prompt), (2, other)):
+        for start in range(0, len(tokens), 128):
+            runner.prefill(slot, tokens[start : start + 128], start)
+    alone = runner.decode([0], [7], [len(prompt)]).clone()
+    beside = runner.decode([2, 0], [9, 7], [len(other), len(prompt)])[1]
+    assert torch.equal(alone[0], beside)
+
+
+def test_per_slot_state_is_the_size_its_formula_says(checkpoints: dict[str, Path]) -> None:
+    loaded = load_model(checkpoints["real"], "auto", torch.device("cpu"), MAX_MODEL_LEN)
+    config = loaded.model.config
+    state = loaded.model.new_cache(3, MAX_MODEL_LEN)
+    assert isinstance(state, DeepseekV4State)
+    buffers = [r.rows for r in state.window]
+    buffers += [e for e in (*state.entries, *state.index_keys) if e is not None]
+    buffers += [r.rows for r in (*state.projections, *state.index_projections) if r is not None]
+    allocated = sum(b.numel() * b.element_size() for b in buffers)
+    assert allocated == 3 * state.bytes_per_slot
+    counts = state_elements_per_slot(config, MAX_MODEL_LEN)
+    d, window = config.head_dim, config.sliding_window
+    assert counts["window"] == config.num_layers * (window + 2) * d
+    assert counts["entries"] == (2 * (MAX_MODEL_LEN // 4 + 1) + MAX_MODEL_LEN // 128 + 1) * d
