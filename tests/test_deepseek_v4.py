@@ -2,11 +2,14 @@
 every layer type (sliding, CSA, HCA) and both MoE kinds present, are served with the tokens
 of `transformers`' own greedy `generate` (one prompt at a time: its V4 is right only at
 batch size 1), with small windows and with V4-Flash's 128/4/128; the indexer's ties go to
-the lowest entry whatever the launch; per-slot state is the size its formula says."""
+the lowest entry whatever the launch; per-slot state is the size its formula says; through
+a real pool, two expert-parallel ranks serve 48 concurrent requests with the tokens each
+gets alone on one rank, and a rank killed mid-decode changes no token."""
 
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,7 +20,10 @@ from npu_worker.models.deepseek_v4_config import state_elements_per_slot
 from npu_worker.models.deepseek_v4_state import DeepseekV4State
 from npu_worker.models.loader import load_model
 from npu_worker.runner import LaunchRunner
-from tests.helpers import TIE_TOLERANCE, launch_shapes, random_prompt
+from producer.client import Client
+from schemas.keys import Keys
+from tests.conftest import StartPool
+from tests.helpers import TIE_TOLERANCE, check_stream, launch_shapes, random_prompt, wait_until
 from tests.reference import ReferenceCompletion, first_divergence, generate_alone
 from tests.test_hf_parity import hf_greedy
 
@@ -25,6 +31,17 @@ make = pytest.importorskip("bench.make_deepseek_v4")
 MAX_MODEL_LEN = 768
 PROMPT_LENGTHS = (20, 150, 300, 600)
 NEW_TOKENS = 64
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """This process computes on one thread: a pool's ranks hold the other cores, and V4's
+    many small operations slow down badly on contended threads (measured: 127 s against
+    8 s for the 48-request references)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -122,3 +139,68 @@ def test_per_slot_state_is_the_size_its_formula_says(checkpoints: dict[str, Path
     d, window = config.head_dim, config.sliding_window
     assert counts["window"] == config.num_layers * (window + 2) * d
     assert counts["entries"] == (2 * (MAX_MODEL_LEN // 4 + 1) + MAX_MODEL_LEN // 128 + 1) * d
+
+
+def test_expert_parallel_ranks_serve_48_concurrent_requests_as_one_rank_serves_each_alone(
+    checkpoints: dict[str, Path], start_pool: StartPool, client: Client, redis_client
+) -> None:
+    path = checkpoints["small"]
+    start_pool(
+        model=str(path),
+        ranks=2,
+        expert_parallel=True,
+        decode_batch=8,
+        kv_slots_per_rank=24,
+        max_model_len=MAX_MODEL_LEN,
+    )
+    rng = random.Random(23)
+    lengths = [600, 300, *(rng.randint(3, 140) for _ in range(46))]
+    cases = [(random_prompt(rng, n, make.VOCAB_SIZE), 16) for n in lengths]
+    ids = [client.submit(prompt_token_ids=p, max_tokens=m, ignore_eos=True) for p, m in cases]
+    references = lone(path, [p for p, _ in cases], 16)
+    for request_id, reference, (prompt, _) in zip(ids, references, cases):
+        tokens = check_stream(list(client.stream(request_id, timeout_s=240)))
+        problem = first_divergence(tokens, reference, TIE_TOLERANCE)
+        assert problem is None, f"prompt of {len(prompt)}: {problem}"
+    groups = redis_client.hgetall(Keys().rendezvous("default"))
+    assert groups[b"generation"] and groups[b"address"]  # the ranks really formed a group
+
+
+def test_killing_an_expert_parallel_rank_mid_decode_loses_nothing_and_changes_no_token(
+    checkpoints: dict[str, Path], start_pool: StartPool, client: Client, redis_client
+) -> None:
+    path = checkpoints["real"]
+    pool = start_pool(
+        model=str(path),
+        ranks=2,
+        expert_parallel=True,
+        decode_batch=4,
+        kv_slots_per_rank=8,
+        max_model_len=MAX_MODEL_LEN,
+        rank_timeout_s=3,
+        collective_timeout_s=10,
+    )
+    rng = random.Random(24)
+    cases = [(random_prompt(rng, rng.randint(3, 300), make.VOCAB_SIZE), 48) for _ in range(6)]
+    ids = [
+        client.submit(prompt_token_ids=p, max_tokens=m, ignore_eos=True, request_id=f"v4k{i}")
+        for i, (p, m) in enumerate(cases)
+    ]
+    keys = Keys()
+
+    def published() -> int:
+        pipe = redis_client.pipeline(transaction=False)
+        for request_id in ids:
+            pipe.xlen(keys.result(request_id))
+        return sum(pipe.execute())
+
+    wait_until(lambda: published() > 40, timeout_s=120, what="decode to be under way")
+    pool.processes.kill("rank1")
+    references = lone(path, [p for p, _ in cases], 48)
+    for request_id, reference in zip(ids, references):
+        tokens = check_stream(list(client.stream(request_id, timeout_s=240)))
+        problem = first_divergence(tokens, reference, TIE_TOLERANCE)
+        assert problem is None, f"{request_id}: {problem}"
+    assert {c.name: c.restarts for c in pool.processes.children}["rank1"] >= 1
+    wait_until(lambda: redis_client.xlen(keys.requests) == 0, what="every entry deleted")
+    assert redis_client.xlen(keys.dead) == 0
