@@ -4,7 +4,9 @@ of `transformers`' own greedy `generate` (one prompt at a time: its V4 is right 
 batch size 1), with small windows and with V4-Flash's 128/4/128; the indexer's ties go to
 the lowest entry whatever the launch; per-slot state is the size its formula says; through
 a real pool, two expert-parallel ranks serve 48 concurrent requests with the tokens each
-gets alone on one rank, and a rank killed mid-decode changes no token."""
+gets alone on one rank, and a rank killed mid-decode changes no token; with the MTP module
+greedy tokens are those without it, and a rejected draft at a window boundary leaves
+nothing a later launch reads."""
 
 from __future__ import annotations
 
@@ -18,9 +20,11 @@ import torch
 from npu_worker.models.deepseek_v4 import DeepseekV4CausalLM
 from npu_worker.models.deepseek_v4_config import state_elements_per_slot
 from npu_worker.models.deepseek_v4_state import DeepseekV4State
+from npu_worker.models.launch import LaunchInputs
 from npu_worker.models.loader import load_model
 from npu_worker.runner import LaunchRunner
 from producer.client import Client
+from producer.status import collect_status
 from schemas.keys import Keys
 from tests.conftest import StartPool
 from tests.helpers import TIE_TOLERANCE, check_stream, launch_shapes, random_prompt, wait_until
@@ -50,7 +54,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("deepseek_v4")
     made = {windows: root / windows for windows in ("small", "real")}
     for windows, path in made.items():
-        make.build(path, windows)
+        make.build(path, windows, mtp=windows == "small")
     return made
 
 
@@ -204,3 +208,66 @@ def test_killing_an_expert_parallel_rank_mid_decode_loses_nothing_and_changes_no
     assert {c.name: c.restarts for c in pool.processes.children}["rank1"] >= 1
     wait_until(lambda: redis_client.xlen(keys.requests) == 0, what="every entry deleted")
     assert redis_client.xlen(keys.dead) == 0
+
+
+def test_a_rejected_draft_at_a_window_boundary_leaves_nothing_a_later_launch_reads(
+    checkpoints: dict[str, Path],
+) -> None:
+    loaded = load_model(checkpoints["small"], "auto", torch.device("cpu"), MAX_MODEL_LEN)
+    model = loaded.model
+    runner = LaunchRunner(model, launch_shapes(2, MAX_MODEL_LEN, 128, 1))
+    rng = random.Random(25)
+    prompt = random_prompt(rng, 159, make.VOCAB_SIZE)
+    draft_position = 159  # closes a CSA and an HCA window
+    assert (draft_position + 1) % model.config.hca_rate == 0
+    for slot in (0, 1):
+        for start in (0, 128):
+            runner.prefill(slot, prompt[start : min(start + 128, draft_position - 1)], start)
+
+    def verify(slot: int, tokens: list[int]) -> None:
+        launch = LaunchInputs(
+            input_ids=torch.tensor([tokens]),
+            positions=torch.tensor([[draft_position - 1, draft_position]]),
+            slot_ids=torch.tensor([slot]),
+            logit_index=torch.tensor([[0, 1]]),
+            span=160,
+            window_start=None,
+        )
+        model(launch, runner.cache)
+
+    right = 11
+    verify(0, [prompt[-1], (right + 1) % make.VOCAB_SIZE])  # rejected: fed again below
+    verify(1, [prompt[-1], right])  # accepted, then fed again as slot 0's is
+    token = [right, right]
+    for position in range(draft_position, draft_position + 24):
+        logits = [runner.decode([slot], [token[slot]], [position])[0] for slot in (0, 1)]
+        assert torch.equal(logits[0], logits[1]), f"position {position}"
+        token = [int(logits[0].argmax())] * 2
+
+
+def test_greedy_with_the_mtp_module_equals_greedy_without(
+    checkpoints: dict[str, Path], start_pool: StartPool, client: Client
+) -> None:
+    path = checkpoints["small"]
+    start_pool(
+        model=str(path),
+        ranks=2,
+        expert_parallel=True,
+        mtp=True,
+        decode_batch=4,
+        max_model_len=MAX_MODEL_LEN,
+    )
+    rng = random.Random(26)
+    prompts = [random_prompt(rng, n, make.VOCAB_SIZE) for n in (5, 40, 130, 300)]
+    ids = [client.submit(prompt_token_ids=p, max_tokens=40, ignore_eos=True) for p in prompts]
+    for request_id, reference in zip(ids, lone(path, prompts, 40)):
+        tokens = check_stream(list(client.stream(request_id, timeout_s=180)))
+        assert first_divergence(tokens, reference, TIE_TOLERANCE) is None
+
+    def mtp() -> dict:
+        return collect_status(client.redis, client.keys)["pools"][0]["mtp"]
+
+    wait_until(lambda: mtp()["proposed"] > 0, what="drafts counted")
+    counts = mtp()
+    print("DeepSeek-V4, its fitted MTP module:", counts)
+    assert 0 < counts["accepted"] < counts["proposed"]  # both the accept and reject paths ran

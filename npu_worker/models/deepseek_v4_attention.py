@@ -171,7 +171,7 @@ class Attention(nn.Module):
         super().__init__()
         self.config, self.layer = config, layer
         self.rate = config.rate(layer)
-        self.kind = config.layer_types[layer]
+        self.kind = config.layer_kind(layer)
         c, hidden = config, config.hidden_size
         self.wq_a = nn.Linear(hidden, c.q_lora_rank, bias=False)
         self.q_norm = Norm(c.q_lora_rank, c.rms_norm_eps)

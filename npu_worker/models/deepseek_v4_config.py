@@ -87,9 +87,17 @@ class DeepseekV4Config:
     mtp_layers: int = 0
     architecture: str = ARCHITECTURE
 
+    def layer_kind(self, layer: int) -> str:
+        """A layer's attention type; the MTP block (layer `num_layers`) is sliding-window."""
+        return self.layer_types[layer] if layer < self.num_layers else SLIDING
+
+    def hashed(self, layer: int) -> bool:
+        """Whether a layer's experts are chosen by token id; the MTP block's are scored."""
+        return layer < self.num_layers and self.hash_layers[layer]
+
     def rate(self, layer: int) -> int:
         """Tokens per compressed entry of a layer (0 for sliding-window layers)."""
-        kind = self.layer_types[layer]
+        kind = self.layer_kind(layer)
         return {SLIDING: 0, CSA: self.csa_rate, HCA: self.hca_rate}[kind]
 
     @classmethod
@@ -242,21 +250,24 @@ def expert_of(key: str) -> int | None:
     return None
 
 
-def state_elements_per_slot(config: DeepseekV4Config, max_kv_len: int) -> dict[str, int]:
+def state_elements_per_slot(
+    config: DeepseekV4Config, max_kv_len: int, mtp: bool = False
+) -> dict[str, int]:
     """Elements of per-request state one slot holds, by kind, over every layer (each buffer's
     scratch row included): the sliding window (W + 1 rows: one more than the window, so a
     draft under verification never overwrites a row still in view), compressed entries
     (max_kv_len // rate + 1 rows), and each compressor's projections of its last window(s)
-    (kv and gate: 2 windows of the CSA rate for overlapping windows, 1 of the HCA rate)."""
+    (kv and gate: 2 windows of the CSA rate for overlapping windows, 1 of the HCA rate);
+    with `mtp`, the MTP block's sliding window too."""
     d, di = config.head_dim, config.index_head_dim
     counts = {"window": 0, "entries": 0, "index_keys": 0, "compressor": 0}
-    for layer in range(config.num_layers):
+    for layer in range(config.num_layers + (1 if mtp else 0)):
         counts["window"] += (config.sliding_window + 2) * d
         rate = config.rate(layer)
         if not rate:
             continue
         counts["entries"] += (max_kv_len // rate + 1) * d
-        if config.layer_types[layer] == CSA:
+        if config.layer_kind(layer) == CSA:
             counts["index_keys"] += (max_kv_len // rate + 1) * di
             counts["compressor"] += (2 * rate + 1) * 2 * (2 * d + 2 * di)
         else:

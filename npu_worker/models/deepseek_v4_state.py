@@ -64,22 +64,25 @@ class DeepseekV4State(KVCache):
         max_kv_len: int,
         dtype: torch.dtype,
         device: torch.device,
+        mtp: bool = False,
     ) -> None:
         self.k, self.v = [], []
+        self.mtp = mtp
+        num_layers = config.num_layers + (1 if mtp else 0)  # the MTP block's is last
         self.num_slots, self.max_kv_len, self.device = num_slots, max_kv_len, device
         self.config = config
         like = torch.empty(0, dtype=dtype, device=device)
         d, di = config.head_dim, config.index_head_dim
         self.window = [
-            Ring(num_slots, config.sliding_window + 1, (d,), like) for _ in range(config.num_layers)
+            Ring(num_slots, config.sliding_window + 1, (d,), like) for _ in range(num_layers)
         ]
         self.entries: list[torch.Tensor | None] = []
         self.index_keys: list[torch.Tensor | None] = []
         self.projections: list[Ring | None] = []
         self.index_projections: list[Ring | None] = []
-        for layer in range(config.num_layers):
+        for layer in range(num_layers):
             rate = config.rate(layer)
-            csa = config.layer_types[layer] == CSA
+            csa = config.layer_kind(layer) == CSA
             num_entries = max_kv_len // rate if rate else 0
             self.entries.append(self._zeros(num_slots, num_entries + 1, d, like) if rate else None)
             self.index_keys.append(
@@ -100,7 +103,7 @@ class DeepseekV4State(KVCache):
     @property
     def bytes_per_slot(self) -> int:
         """State bytes one slot takes over every layer (deepseek_v4_config's formula)."""
-        elements = sum(state_elements_per_slot(self.config, self.max_kv_len).values())
+        elements = sum(state_elements_per_slot(self.config, self.max_kv_len, self.mtp).values())
         return elements * self.window[0].rows.element_size()
 
     @property

@@ -146,13 +146,11 @@ def _build(
         return CausalLM(config, max_positions=max_kv_len, with_mtp=mtp), read_weights(path)
     share = range(config.n_routed_experts) if experts is None else experts
     if isinstance(config, DeepseekV4Config):
-        if mtp:
-            raise UnsupportedModel(f"{path}: --mtp is not supported for DeepSeek-V4 yet")
         v4_state = {
             deepseek_v4.checkpoint_name(k): v
-            for k, v in read_weights(path, lambda k: _v4_keeps(k, share)).items()
+            for k, v in read_weights(path, lambda k: _v4_keeps(k, share, mtp)).items()
         }
-        return DeepseekV4CausalLM(config, max_kv_len, experts=share), v4_state
+        return DeepseekV4CausalLM(config, max_kv_len, mtp, experts=share), v4_state
 
     def keep(key: str) -> bool:
         expert = deepseek_v3.expert_of(key)
@@ -196,10 +194,11 @@ def _token_text(value: object) -> str:
     return value if isinstance(value, str) else ""
 
 
-def _v4_keeps(key: str, share: range) -> bool:
-    """A DeepSeek-V4 rank reads the main model's tensors and its own experts' alone."""
+def _v4_keeps(key: str, share: range, mtp: bool) -> bool:
+    """A DeepSeek-V4 rank reads the main model's tensors (and the MTP module's, with `mtp`),
+    of its routed experts only its own."""
     expert = deepseek_v4.expert_of(key)
-    return not key.startswith("mtp.") and (expert is None or expert in share)
+    return (mtp or not key.startswith("mtp.")) and (expert is None or expert in share)
 
 
 def _is_tied(model: CausalLM | DeepseekV3CausalLM | DeepseekV4CausalLM) -> bool:
