@@ -11,12 +11,15 @@ initialises to constants (sinks, `ape`, hyper-connection bases, router biases, `
 are random, so each of them matters to the tokens. With `--mtp` the checkpoint also gets
 an MTP module (`mtp.0.*`: a sliding-window block with scored experts, `e_proj`, `h_proj`,
 `enorm`, `hnorm`, `norm`, `hc_head_*`), which transformers neither builds nor saves, fitted
-to draft the model's own greedy continuations.
+to draft the model's own greedy continuations. With `--fp8` the attention projections are
+stored as float8 e4m3 with 128x128 block scales (`weight_scale_inv`), as DeepSeek releases
+V4's attention weights.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import shutil
 import tempfile
@@ -27,6 +30,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
+from bench.make_deepseek_v3 import fp8_blocks
 from npu_worker.models.deepseek_v4 import DeepseekV4CausalLM
 from npu_worker.models.launch import LaunchInputs
 from npu_worker.models.loader import load_model
@@ -90,7 +94,12 @@ def config(windows: str = "small", **extra: Any) -> Any:
 
 
 def build(
-    out: Path, windows: str = "small", mtp: bool = False, seed: int = 0, bench_size: bool = False
+    out: Path,
+    windows: str = "small",
+    mtp: bool = False,
+    seed: int = 0,
+    bench_size: bool = False,
+    fp8: bool = False,
 ) -> torch.nn.Module:
     """Write the checkpoint to `out`; returns the `transformers` model (float32)."""
     torch.manual_seed(seed)
@@ -105,7 +114,26 @@ def build(
         state.update(mtp_module(model.config, seed))
         save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
         fit_mtp(out, seed=seed)
+    if fp8:
+        quantize_attention(out)
     return model
+
+
+def quantize_attention(out: Path) -> None:
+    """Store the checkpoint's attention projections (`attn.w*.weight`, the compressors' and
+    indexers' included) as FP8 blocks, and say so in its config."""
+    state = load_file(str(out / "model.safetensors"))
+    for name in [k for k in state if ".attn." in k and k.split(".")[-2].startswith("w")]:
+        state[name], state[name + "_scale_inv"] = fp8_blocks(state[name])
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    raw = json.loads((out / "config.json").read_text())
+    raw["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+    }
+    (out / "config.json").write_text(json.dumps(raw, indent=2))
 
 
 def randomise(model: torch.nn.Module, experts: int) -> None:
@@ -228,10 +256,11 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--windows", choices=sorted(WINDOWS), default="small")
     parser.add_argument("--mtp", action="store_true", help="add a fitted MTP module")
+    parser.add_argument("--fp8", action="store_true", help="attention weights as FP8 blocks")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--bench", action="store_true", help="a few million parameters")
     args = parser.parse_args()
-    build(args.out, args.windows, args.mtp, args.seed, bench_size=args.bench)
+    build(args.out, args.windows, args.mtp, args.seed, bench_size=args.bench, fp8=args.fp8)
     print(args.out)
 
 

@@ -6,17 +6,22 @@ the lowest entry whatever the launch; per-slot state is the size its formula say
 a real pool, two expert-parallel ranks serve 48 concurrent requests with the tokens each
 gets alone on one rank, and a rank killed mid-decode changes no token; with the MTP module
 greedy tokens are those without it, and a rejected draft at a window boundary leaves
-nothing a later launch reads."""
+nothing a later launch reads; FP8 attention weights load dequantized, FP4 experts fail at
+start naming their format."""
 
 from __future__ import annotations
 
+import json
 import random
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
+from npu_worker.models.config import UnsupportedModel
 from npu_worker.models.deepseek_v4 import DeepseekV4CausalLM
 from npu_worker.models.deepseek_v4_config import state_elements_per_slot
 from npu_worker.models.deepseek_v4_state import DeepseekV4State
@@ -271,3 +276,39 @@ def test_greedy_with_the_mtp_module_equals_greedy_without(
     counts = mtp()
     print("DeepSeek-V4, its fitted MTP module:", counts)
     assert 0 < counts["accepted"] < counts["proposed"]  # both the accept and reject paths ran
+
+
+def test_fp8_attention_weights_load_as_their_dequantized_blocks(tmp_path: Path) -> None:
+    path = tmp_path / "fp8"
+    make.build(path, "small", fp8=True)
+    stored = load_file(str(path / "model.safetensors"))
+    weights = dict(
+        load_model(path, "auto", torch.device("cpu"), MAX_MODEL_LEN).model.named_parameters()
+    )
+    quantized = [k for k, v in stored.items() if v.dtype == torch.float8_e4m3fn]
+    assert len(quantized) >= 4 * 5 and all(".attn." in k for k in quantized)
+    for name in quantized:
+        fp8, scale = stored[name].float(), stored[name + "_scale_inv"]
+        want = torch.empty_like(fp8)
+        for i in range(scale.shape[0]):  # block by block, as the format defines it
+            for j in range(scale.shape[1]):
+                rows, cols = slice(128 * i, 128 * (i + 1)), slice(128 * j, 128 * (j + 1))
+                want[rows, cols] = fp8[rows, cols] * scale[i, j]
+        assert torch.equal(weights[name].detach(), want), name
+
+
+def test_fp4_experts_fail_at_start_naming_the_format(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    path = tmp_path / "fp4"
+    shutil.copytree(checkpoints["small"], path)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "weight_block_size": [128, 128],
+        "expert_dtype": "fp4",
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModel, match="experts stored as 'fp4'"):
+        load_model(path, "auto", torch.device("cpu"), MAX_MODEL_LEN)

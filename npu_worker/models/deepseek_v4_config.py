@@ -108,6 +108,13 @@ class DeepseekV4Config:
         if missing:
             raise UnsupportedModel(f"{path}/config.json lacks {', '.join(missing)}")
         layers = int(raw["num_hidden_layers"])
+        quant = raw.get("quantization_config") or {}
+        expert_dtype = raw.get("expert_dtype") or quant.get("expert_dtype")
+        if expert_dtype not in (None, "bf16", "bfloat16", "fp8"):
+            raise UnsupportedModel(
+                f"{path}: routed experts stored as {expert_dtype!r} (expert_dtype) are not "
+                "supported; supported: bfloat16 experts, FP8 e4m3 block-quantized weights"
+            )
         if raw.get("hidden_act", "silu") != "silu":
             raise UnsupportedModel(f"{path}: hidden_act {raw['hidden_act']!r} (only 'silu')")
         scoring = str(raw.get("scoring_func", "sqrtsoftplus"))
