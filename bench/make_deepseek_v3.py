@@ -262,16 +262,20 @@ def quantized(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if not (name.endswith("proj.weight") or name.endswith("proj_with_mqa.weight")):
             out[name] = tensor
             continue
-        rows, cols = tensor.shape
-        blocks_r, blocks_c = -(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK)
-        padded = torch.zeros(blocks_r * FP8_BLOCK, blocks_c * FP8_BLOCK)
-        padded[:rows, :cols] = tensor
-        tiles = padded.view(blocks_r, FP8_BLOCK, blocks_c, FP8_BLOCK)
-        scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
-        scaled = (tiles / scale[:, None, :, None]).view_as(padded)[:rows, :cols]
-        out[name] = scaled.to(torch.float8_e4m3fn)
-        out[name + "_scale_inv"] = scale.float()
+        out[name], out[name + "_scale_inv"] = fp8_blocks(tensor)
     return out
+
+
+def fp8_blocks(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight [out, in] as float8 e4m3 and its per-128x128-block scales."""
+    rows, cols = tensor.shape
+    blocks_r, blocks_c = -(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK)
+    padded = torch.zeros(blocks_r * FP8_BLOCK, blocks_c * FP8_BLOCK)
+    padded[:rows, :cols] = tensor
+    tiles = padded.view(blocks_r, FP8_BLOCK, blocks_c, FP8_BLOCK)
+    scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
+    scaled = (tiles / scale[:, None, :, None]).view_as(padded)[:rows, :cols]
+    return scaled.to(torch.float8_e4m3fn), scale.float()
 
 
 def main() -> None:

@@ -78,6 +78,7 @@ class LaunchRunner:
 
     def __init__(self, model: LaunchModel, shapes: LaunchShapes, cuda_graphs: bool = True) -> None:
         self.mtp = model.mtp is not None
+        self.model_packs = model.packs
         # what this rank runs, as it registers it: verify launches only with an MTP module
         self.shapes = replace(shapes, mtp=self.mtp)
         self.prefill_segments = shapes.prefill_segments  # packed launches: segments, at most
@@ -100,7 +101,7 @@ class LaunchRunner:
     @property
     def packs(self) -> bool:
         """True when prefill launches may carry several requests' segments."""
-        return self.backend.packs
+        return self.backend.packs and self.model_packs
 
     def spans(self) -> list[int]:
         """Every cache span a launch may read: the captured shapes of graph backends."""

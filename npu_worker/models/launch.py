@@ -101,6 +101,7 @@ class LaunchModel(nn.Module):
     architecture's model derives from it."""
 
     mtp: nn.Module | None
+    packs = True  # its prefill launches may carry several requests' segments
 
     def new_cache(self, num_slots: int, max_kv_len: int) -> KVCache:
         """The cache every launch of this model reads and writes, allocated once."""

@@ -10,9 +10,12 @@ import torch
 from tokenizers import Tokenizer
 
 from npu_worker.models import deepseek_v3_config as deepseek_v3
+from npu_worker.models import deepseek_v4_config as deepseek_v4
 from npu_worker.models.config import ModelConfig, UnsupportedModel
 from npu_worker.models.deepseek_v3 import DeepseekV3CausalLM
 from npu_worker.models.deepseek_v3_config import DeepseekV3Config
+from npu_worker.models.deepseek_v4 import DeepseekV4CausalLM
+from npu_worker.models.deepseek_v4_config import DeepseekV4Config
 from npu_worker.models.llama import CausalLM
 from npu_worker.models.moe import expert_share
 from npu_worker.models.weights import read_weights
@@ -30,15 +33,15 @@ class LoadedModel:
     """A model on its device with its tokenizer and the facts the pool needs."""
 
     path: Path
-    config: ModelConfig | DeepseekV3Config
-    model: CausalLM | DeepseekV3CausalLM
+    config: ModelConfig | DeepseekV3Config | DeepseekV4Config
+    model: CausalLM | DeepseekV3CausalLM | DeepseekV4CausalLM
     tokenizer: Tokenizer
     dtype: torch.dtype
     device: torch.device
     chat_template: dict[str, str] | None = None
 
 
-def model_config(path: Path) -> ModelConfig | DeepseekV3Config:
+def model_config(path: Path) -> ModelConfig | DeepseekV3Config | DeepseekV4Config:
     """The architecture and hyper-parameters of a model directory; UnsupportedModel says
     what is missing or not supported."""
     config_path = path / "config.json"
@@ -49,6 +52,10 @@ def model_config(path: Path) -> ModelConfig | DeepseekV3Config:
         not raw.get("architectures") and raw.get("model_type") == deepseek_v3.MODEL_TYPE
     ):
         return DeepseekV3Config.from_dir(path)
+    if deepseek_v4.ARCHITECTURE in (raw.get("architectures") or []) or (
+        not raw.get("architectures") and raw.get("model_type") == deepseek_v4.MODEL_TYPE
+    ):
+        return DeepseekV4Config.from_dir(path)
     return ModelConfig.from_dir(path)
 
 
@@ -104,19 +111,23 @@ def load_model(
     model, state = _build(path, config, max_kv_len, mtp, experts)
     if not mtp:
         state = {k: v for k, v in state.items() if not k.startswith("mtp.")}
-    if config.tie_word_embeddings or "lm_head.weight" not in state:
-        state.pop("lm_head.weight", None)
+    head = "head.weight" if isinstance(model, DeepseekV4CausalLM) else "lm_head.weight"
+    if config.tie_word_embeddings or head not in state:
+        state.pop(head, None)
         model.tie_weights()
     missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if k != "lm_head.weight" or not _is_tied(model)]
+    missing = [k for k in missing if k != head or not _is_tied(model)]
     if missing:
         raise UnsupportedModel(f"{path}: weights missing from the checkpoint: {missing[:8]}")
     unexpected = [k for k in unexpected if not k.endswith("rotary_emb.inv_freq")]
     if unexpected:
         raise UnsupportedModel(f"{path}: unexpected weights in the checkpoint: {unexpected[:8]}")
-    model.to(device=device, dtype=dtype).eval()
-    model.rope_cos = model.rope_cos.float()
-    model.rope_sin = model.rope_sin.float()
+    if isinstance(model, DeepseekV4CausalLM):
+        model.place(device, dtype)
+    else:
+        model.to(device=device, dtype=dtype).eval()
+        model.rope_cos = model.rope_cos.float()
+        model.rope_sin = model.rope_sin.float()
     if isinstance(model, DeepseekV3CausalLM):
         for moe in model.moe_layers():
             moe.gate.float()  # routing stays in float32 whatever the weights' dtype
@@ -125,15 +136,21 @@ def load_model(
 
 def _build(
     path: Path,
-    config: ModelConfig | DeepseekV3Config,
+    config: ModelConfig | DeepseekV3Config | DeepseekV4Config,
     max_kv_len: int,
     mtp: bool,
     experts: range | None,
-) -> tuple[CausalLM | DeepseekV3CausalLM, dict[str, torch.Tensor]]:
+) -> tuple[CausalLM | DeepseekV3CausalLM | DeepseekV4CausalLM, dict[str, torch.Tensor]]:
     """The architecture's model, and the checkpoint's tensors under its names."""
     if isinstance(config, ModelConfig):
         return CausalLM(config, max_positions=max_kv_len, with_mtp=mtp), read_weights(path)
     share = range(config.n_routed_experts) if experts is None else experts
+    if isinstance(config, DeepseekV4Config):
+        v4_state = {
+            deepseek_v4.checkpoint_name(k): v
+            for k, v in read_weights(path, lambda k: _v4_keeps(k, share, mtp)).items()
+        }
+        return DeepseekV4CausalLM(config, max_kv_len, mtp, experts=share), v4_state
 
     def keep(key: str) -> bool:
         expert = deepseek_v3.expert_of(key)
@@ -177,5 +194,13 @@ def _token_text(value: object) -> str:
     return value if isinstance(value, str) else ""
 
 
-def _is_tied(model: CausalLM | DeepseekV3CausalLM) -> bool:
-    return model.lm_head.weight is model.model.embed_tokens.weight
+def _v4_keeps(key: str, share: range, mtp: bool) -> bool:
+    """A DeepSeek-V4 rank reads the main model's tensors (and the MTP module's, with `mtp`),
+    of its routed experts only its own."""
+    expert = deepseek_v4.expert_of(key)
+    return (mtp or not key.startswith("mtp.")) and (expert is None or expert in share)
+
+
+def _is_tied(model: CausalLM | DeepseekV3CausalLM | DeepseekV4CausalLM) -> bool:
+    head = model.head if isinstance(model, DeepseekV4CausalLM) else model.lm_head
+    return head.weight is model.model.embed_tokens.weight

@@ -1,0 +1,265 @@
+"""DeepSeek-V4's attention over its per-slot state (deepseek_v4_state.py).
+
+One K=V head per token: queries through a low-rank `wq_a` / `wq_b`, keys `norm(wkv(x))`,
+the trailing `rope_dim` channels of both rotated in interleaved pairs (the output's rotated
+back at the query's position, since the value carried the key's rotation). A query sees
+its sliding window (the last `sliding_window` positions, itself included) and, in CSA and
+HCA layers, compressed entries: HCA every entry whose window has closed, CSA the
+`index_topk` of them its lightning indexer scores highest. Softmax over the scores and a
+per-head sink (`attn_sink`) that takes probability but gives no value. The heads' output
+goes through a grouped low-rank projection (`wo_a` per group, then `wo_b`).
+
+A compressor projects each token to kv and gate channels; the window ending at position
+p (p + 1 a multiple of the rate) becomes one entry, `norm(sum softmax(gate + ape) * kv)`
+rotated at the window's first position. CSA windows overlap: entry w mixes the first half
+of the channels of window w - 1's tokens with the second half of window w's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from npu_worker.models.deepseek_v4_config import CSA, DeepseekV4Config
+from npu_worker.models.deepseek_v4_state import DeepseekV4State, Ring
+from npu_worker.models.launch import LaunchInputs
+
+
+def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the trailing 2 * cos.shape[-1] channels of x in interleaved pairs (x0, x1),
+    (x2, x3), ... in place of layout; cos/sin broadcast against x[..., ::2] of that slice."""
+    dim = 2 * cos.shape[-1]
+    head, tail = x[..., :-dim], x[..., -dim:].float()
+    even, odd = tail[..., 0::2], tail[..., 1::2]
+    rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1)
+    return torch.cat((head, rotated.flatten(-2).to(x.dtype)), dim=-1)
+
+
+def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS normalisation without a weight."""
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+class Norm(nn.Module):
+    """RMSNorm with its weight applied in float32 (V4 keeps its norms in float32)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * h).to(x.dtype)
+
+
+class Launch:
+    """What every layer of one launch shares: rows, positions, which tokens are real."""
+
+    def __init__(self, launch: LaunchInputs, state: DeepseekV4State) -> None:
+        if launch.packed:
+            raise ValueError("DeepSeek-V4 runs one request per prefill launch (no packing)")
+        self.positions = launch.positions
+        self.slot_ids = launch.slot_ids
+        self.real = launch.positions < state.scratch_position
+        self.starts = launch.positions[:, 0]
+        ws = launch.window_start
+        self.rows: torch.Tensor | slice = (
+            launch.slot_ids if ws is None else slice(ws, ws + launch.positions.shape[0])
+        )
+        self.span = launch.span
+
+
+class Compressor(nn.Module):
+    """One entry per closed window of `rate` tokens (`wkv`, `wgate`, `ape`, `norm`)."""
+
+    def __init__(self, config: DeepseekV4Config, rate: int, dim: int, overlap: bool) -> None:
+        super().__init__()
+        self.rate, self.dim, self.overlap = rate, dim, overlap
+        width = 2 * dim if overlap else dim
+        self.wkv = nn.Linear(config.hidden_size, width, bias=False)
+        self.wgate = nn.Linear(config.hidden_size, width, bias=False)
+        self.ape = nn.Parameter(torch.zeros(rate, width))
+        self.norm = Norm(dim, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        at: Launch,
+        ring: Ring,
+        entries: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> None:
+        """Emit into `entries` [slots, windows + 1, dim] every window the launch's tokens
+        close, then keep their projections in `ring` for windows closing later."""
+        batch, seq, _ = x.shape
+        rate, length = self.rate, ring.size
+        projected = torch.stack((self.wkv(x), self.wgate(x)), dim=2)  # [B, S, 2, width]
+        history = torch.cat((ring.recent(at.rows, at.starts), projected), dim=1)
+        closings = -(-seq // rate)
+        first = (at.starts + rate) // rate * rate - 1  # first closing position at or after start
+        ends = first[:, None] + rate * torch.arange(closings, device=x.device)  # [B, C]
+        local = (ends - at.starts[:, None]).clamp(max=seq - 1)
+        valid = at.real.gather(1, local) & (at.positions.gather(1, local) == ends)
+        taken = local[:, :, None] + 1 + torch.arange(length, device=x.device)  # [B, C, L]
+        flat = taken.view(batch, -1, 1, 1).expand(-1, -1, *projected.shape[2:])
+        window = history.gather(1, flat).view(batch, closings, length, *projected.shape[2:])
+        kv, gate = window[:, :, :, 0].float(), window[:, :, :, 1].float()
+        ape = self.ape.float()
+        if self.overlap:  # previous window's first half, then this window's second half
+            d = self.dim
+            kv = torch.cat((kv[:, :, :rate, :d], kv[:, :, rate:, d:]), dim=2)
+            gate = torch.cat(
+                (gate[:, :, :rate, :d] + ape[:, :d], gate[:, :, rate:, d:] + ape[:, d:]), 2
+            )
+        else:
+            gate = gate + ape
+        token_positions = ends[:, :, None] - length + 1 + torch.arange(length, device=x.device)
+        gate = gate.masked_fill((token_positions < 0)[..., None], float("-inf"))
+        pooled = (kv * gate.softmax(dim=2)).sum(dim=2)
+        starts = torch.where(valid, ends + 1 - rate, 0)
+        rows = torch.where(valid, (ends + 1) // rate - 1, entries.shape[1] - 1)
+        compressed = rope_pairs(self.norm(pooled.to(x.dtype)), cos[starts], sin[starts])
+        entries[at.slot_ids[:, None].expand_as(rows), rows] = compressed.to(entries.dtype)
+        ring.write(at.slot_ids, at.positions, projected, at.real)
+
+
+class Indexer(nn.Module):
+    """CSA's lightning indexer: its own compressor at `index_head_dim`, and per query the
+    `index_topk` entries of highest `sum_h w_h * relu(q_h . k)` (`wq_b`, `weights_proj`)."""
+
+    def __init__(self, config: DeepseekV4Config) -> None:
+        super().__init__()
+        self.config = config
+        heads, dim = config.index_n_heads, config.index_head_dim
+        self.compressor = Compressor(config, config.csa_rate, dim, overlap=True)
+        self.wq_b = nn.Linear(config.q_lora_rank, heads * dim, bias=False)
+        self.weights_proj = nn.Linear(config.hidden_size, heads, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        q_low: torch.Tensor,
+        keys: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        closed: torch.Tensor,
+    ) -> torch.Tensor:
+        """Which of `keys` [B, E, dim] each query sees [B, S, E]: its top-k closed entries,
+        ties broken toward the lowest entry whatever the launch's span or padding."""
+        c = self.config
+        batch, seq, _ = x.shape
+        q = self.wq_b(q_low).view(batch, seq, c.index_n_heads, c.index_head_dim)
+        q = rope_pairs(q, cos[:, :, None], sin[:, :, None])
+        scores = torch.einsum("bshd,bed->bshe", q.float(), keys.float())
+        scores = F.relu(scores) * c.index_head_dim**-0.5
+        weights = self.weights_proj(x).float() * c.index_n_heads**-0.5
+        scores = (scores * weights[..., None]).sum(dim=2).masked_fill(~closed, float("-inf"))
+        top = min(c.index_topk, keys.shape[1])
+        order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :top]
+        chosen = torch.zeros_like(closed).scatter_(-1, order, True)
+        return chosen & closed
+
+
+class Attention(nn.Module):
+    """Sliding-window attention, plus compressed entries in CSA and HCA layers."""
+
+    def __init__(self, config: DeepseekV4Config, layer: int) -> None:
+        super().__init__()
+        self.config, self.layer = config, layer
+        self.rate = config.rate(layer)
+        self.kind = config.layer_kind(layer)
+        c, hidden = config, config.hidden_size
+        self.wq_a = nn.Linear(hidden, c.q_lora_rank, bias=False)
+        self.q_norm = Norm(c.q_lora_rank, c.rms_norm_eps)
+        self.wq_b = nn.Linear(c.q_lora_rank, c.num_heads * c.head_dim, bias=False)
+        self.wkv = nn.Linear(hidden, c.head_dim, bias=False)
+        self.norm = Norm(c.head_dim, c.rms_norm_eps)
+        group_in = c.num_heads * c.head_dim // c.o_groups
+        self.wo_a = nn.Linear(group_in, c.o_groups * c.o_lora_rank, bias=False)
+        self.wo_b = nn.Linear(c.o_groups * c.o_lora_rank, hidden, bias=False)
+        self.attn_sink = nn.Parameter(torch.zeros(c.num_heads))
+        if self.rate:
+            self.compressor = Compressor(c, self.rate, c.head_dim, overlap=self.kind == CSA)
+        if self.kind == CSA:
+            self.indexer = Indexer(c)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        at: Launch,
+        state: DeepseekV4State,
+        rope: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        c = self.config
+        batch, seq, _ = x.shape
+        table_cos, table_sin = rope
+        cos, sin = table_cos[at.positions], table_sin[at.positions]  # [B, S, rope_dim / 2]
+        q_low = self.q_norm(self.wq_a(x))
+        q = self.wq_b(q_low).view(batch, seq, c.num_heads, c.head_dim)
+        q = rope_pairs(unit_rms(q, c.rms_norm_eps), cos[:, :, None], sin[:, :, None])
+        kv = rope_pairs(self.norm(self.wkv(x)), cos, sin)  # [B, S, D]
+        ring = state.window[self.layer]
+        held = ring.recent(at.rows, at.starts)  # [B, R, D]
+        t = at.positions[:, :, None]
+        held_positions = at.starts[:, None] - ring.size + torch.arange(ring.size, device=x.device)
+        held_seen = (held_positions[:, None] >= 0) & (
+            held_positions[:, None] > t - c.sliding_window
+        )
+        own = at.positions[:, None, :]
+        own_seen = (own <= t) & (own > t - c.sliding_window) & at.real[:, None, :]
+        keys, seen = [held, kv], [held_seen, own_seen]
+        if self.rate:
+            entries, entries_seen = self._compressed(x, q_low, at, state, rope)
+            keys.append(entries)
+            seen.append(entries_seen)
+        out = self._attend(q, torch.cat(keys, dim=1), torch.cat(seen, dim=2))
+        out = rope_pairs(out, cos[:, :, None], -sin[:, :, None])
+        ring.write(at.slot_ids, at.positions, kv, at.real)
+        grouped = out.reshape(batch, seq, c.o_groups, -1)
+        weight = self.wo_a.weight.view(c.o_groups, c.o_lora_rank, -1)
+        mixed = torch.einsum("bsgi,goi->bsgo", grouped, weight)
+        return self.wo_b(mixed.reshape(batch, seq, -1))
+
+    def _compressed(
+        self,
+        x: torch.Tensor,
+        q_low: torch.Tensor,
+        at: Launch,
+        state: DeepseekV4State,
+        rope: tuple[torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Emit the windows this launch closes; the entries the launch reads [B, E, D] and
+        which of them each query sees [B, S, E]."""
+        compress_cos, compress_sin = rope
+        entries, projections = state.entries[self.layer], state.projections[self.layer]
+        assert entries is not None and projections is not None
+        self.compressor(x, at, projections, entries, compress_cos, compress_sin)
+        readable = min(-(-at.span // self.rate), entries.shape[1] - 1)
+        read = entries[at.rows, :readable]
+        closed = (
+            torch.arange(readable, device=x.device) < (at.positions[:, :, None] + 1) // self.rate
+        )
+        if self.kind != CSA:
+            return read, closed
+        keys, index_projections = state.index_keys[self.layer], state.index_projections[self.layer]
+        assert keys is not None and index_projections is not None
+        self.indexer.compressor(x, at, index_projections, keys, compress_cos, compress_sin)
+        cos, sin = compress_cos[at.positions], compress_sin[at.positions]
+        seen = self.indexer(x, q_low, keys[at.rows, :readable], cos, sin, closed)
+        return read, seen
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+        """Softmax of q [B, S, H, D] against shared K=V `keys` [B, K, D] where `seen`
+        [B, S, K], and a per-head sink; masked keys add exactly zero. Returns [B, S, H, D]."""
+        scores = (
+            torch.einsum("bshd,bkd->bhsk", q.float(), keys.float()) * self.config.head_dim**-0.5
+        )
+        scores = scores.masked_fill(~seen[:, None], float("-inf"))
+        sink = self.attn_sink.float().view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+        probs = torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1]
+        out = torch.einsum("bhsk,bkd->bshd", probs, keys.float())
+        return out.to(q.dtype)

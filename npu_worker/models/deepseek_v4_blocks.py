@@ -1,0 +1,203 @@
+"""DeepSeek-V4's blocks: hyper-connections, its mixture of experts, and the decoder block.
+
+- Manifold-constrained hyper-connections: the residual is `hc_mult` streams; before each
+  attention and MoE block one projection of the streams gives how they collapse into the
+  block's input (`pre`), how its output spreads back (`post`) and how the streams mix
+  (`comb`, made doubly stochastic by Sinkhorn iterations); `hc_head` collapses them before
+  the final norm.
+- Mixture of experts with a shared expert and SwiGLU clamped at `swiglu_limit`: hash layers
+  (`hash_moe`) take each token's experts from `tid2eid[token id]`, scored layers the top-k
+  of `score + bias`; weights are the chosen scores, normalised, times
+  `routed_scaling_factor` (moe.py: fixed shapes, expert parallelism).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from npu_worker.models.deepseek_v4_attention import Attention, Launch, Norm, unit_rms
+from npu_worker.models.deepseek_v4_config import SLIDING, DeepseekV4Config
+from npu_worker.models.deepseek_v4_state import DeepseekV4State
+from npu_worker.models.moe import ExpertGroup, LocalExperts, routed_output
+
+FLOAT32_PARTS = ("norm", "attn_sink", "ape", "hc_", "gate.weight", "gate.bias")
+
+
+def hyper_mix(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    config: DeepseekV4Config,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From streams [B, S, n, H]: `post` [B, S, n], `comb` [B, S, n, n] (Sinkhorn-balanced)
+    and the streams collapsed by `pre` into one block input [B, S, H]."""
+    n, eps = config.hc_mult, config.hc_eps
+    flat = unit_rms(streams.flatten(2).float(), config.rms_norm_eps)
+    pre_w, post_w, comb_w = F.linear(flat, fn.float()).split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = base.float().split([n, n, n * n])
+    scale = scale.float()
+    pre = torch.sigmoid(pre_w * scale[0] + pre_b) + eps
+    post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
+    comb_logits = comb_w.view(*comb_w.shape[:-1], n, n) * scale[2] + comb_b.view(n, n)
+    comb = torch.softmax(comb_logits, dim=-1) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(config.hc_sinkhorn_iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    collapsed = (pre[..., None] * streams).sum(dim=2).to(streams.dtype)
+    return post, comb, collapsed
+
+
+def hyper_add(
+    streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+) -> torch.Tensor:
+    """The streams after a block: its output spread by `post` plus the streams mixed by `comb`."""
+    dtype = streams.dtype
+    mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+    return post.to(dtype)[..., None] * out[:, :, None] + mixed
+
+
+class Expert(nn.Module):
+    """SwiGLU with clamped pre-activations (`w1` gate, `w3` up, `w2` down)."""
+
+    def __init__(self, hidden_size: int, inner: int, limit: float) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(hidden_size, inner, bias=False)
+        self.w2 = nn.Linear(inner, hidden_size, bias=False)
+        self.w3 = nn.Linear(hidden_size, inner, bias=False)
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.w1(x).clamp(max=self.limit)
+        up = self.w3(x).clamp(min=-self.limit, max=self.limit)
+        return self.w2(F.silu(gate) * up)
+
+
+class Router(nn.Module):
+    """Dense routing weights in float32 (`ffn.gate.*`): by token id or by score."""
+
+    def __init__(self, config: DeepseekV4Config, hashed: bool) -> None:
+        super().__init__()
+        self.config, self.hashed = config, hashed
+        experts, k = config.n_routed_experts, config.num_experts_per_tok
+        self.weight = nn.Parameter(torch.zeros(experts, config.hidden_size))
+        if hashed:
+            self.register_buffer("tid2eid", torch.zeros(config.vocab_size, k, dtype=torch.long))
+        else:
+            self.bias = nn.Parameter(torch.zeros(experts))
+
+    tid2eid: torch.Tensor
+
+    def forward(
+        self, x: torch.Tensor, token_ids: torch.Tensor, valid: torch.Tensor
+    ) -> torch.Tensor:
+        """[T, E]: each valid token's chosen experts' weights, zero elsewhere."""
+        c = self.config
+        logits = F.linear(x.float(), self.weight.float())
+        if c.scoring_func == "softmax":
+            scores = logits.softmax(dim=-1)
+        elif c.scoring_func == "sigmoid":
+            scores = logits.sigmoid()
+        else:
+            scores = F.softplus(logits).sqrt()
+        if self.hashed:
+            top = self.tid2eid[token_ids].long()
+        else:
+            top = torch.topk(scores + self.bias.float(), c.num_experts_per_tok, dim=-1).indices
+        weights = scores.gather(1, top)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        weights = weights * c.routed_scaling_factor * valid[:, None]
+        return torch.zeros_like(scores).scatter_add_(1, top, weights)
+
+
+class MoE(nn.Module):
+    """Routed experts (this rank's share, `ffn.experts.{e}.*`) plus the shared expert."""
+
+    def __init__(self, config: DeepseekV4Config, layer: int, share: range) -> None:
+        super().__init__()
+        self.share = share
+        self.gate = Router(config, config.hashed(layer))
+        size, inner, limit = config.hidden_size, config.moe_intermediate_size, config.swiglu_limit
+        self.experts = nn.ModuleDict({str(e): Expert(size, inner, limit) for e in share})
+        self.shared_experts = Expert(size, inner, limit)
+        self.group: ExpertGroup = LocalExperts()
+
+    def forward(
+        self, x: torch.Tensor, token_ids: torch.Tensor, valid: torch.Tensor
+    ) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        weights = self.gate(flat, token_ids.reshape(-1), valid.reshape(-1))
+        out = routed_output(self.experts, self.share, flat, weights, self.group).view(x.shape)
+        return out + self.shared_experts(x)
+
+
+class Block(nn.Module):
+    """Attention, then MoE, each between its hyper-connection mix (`hc_attn_*`, `hc_ffn_*`)."""
+
+    def __init__(self, config: DeepseekV4Config, layer: int, share: range) -> None:
+        super().__init__()
+        self.config = config
+        self.rope = "main" if config.layer_kind(layer) == SLIDING else "compress"
+        self.attn = Attention(config, layer)
+        self.ffn = MoE(config, layer, share)
+        self.attn_norm = Norm(config.hidden_size, config.rms_norm_eps)
+        self.ffn_norm = Norm(config.hidden_size, config.rms_norm_eps)
+        n, h = config.hc_mult, config.hidden_size
+        self.hc_attn_fn = nn.Parameter(torch.zeros((2 + n) * n, n * h))
+        self.hc_attn_base = nn.Parameter(torch.zeros((2 + n) * n))
+        self.hc_attn_scale = nn.Parameter(torch.ones(3))
+        self.hc_ffn_fn = nn.Parameter(torch.zeros((2 + n) * n, n * h))
+        self.hc_ffn_base = nn.Parameter(torch.zeros((2 + n) * n))
+        self.hc_ffn_scale = nn.Parameter(torch.ones(3))
+
+    def forward(
+        self,
+        streams: torch.Tensor,
+        token_ids: torch.Tensor,
+        at: Launch,
+        state: DeepseekV4State,
+        ropes: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        c = self.config
+        post, comb, collapsed = hyper_mix(
+            streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, c
+        )
+        out = self.attn(self.attn_norm(collapsed), at, state, ropes[self.rope])
+        streams = hyper_add(streams, out, post, comb)
+        post, comb, collapsed = hyper_mix(
+            streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, c
+        )
+        out = self.ffn(self.ffn_norm(collapsed), token_ids, at.real)
+        return hyper_add(streams, out, post, comb)
+
+
+def hyper_head(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    config: DeepseekV4Config,
+) -> torch.Tensor:
+    """The streams [B, S, n, H] collapsed into one hidden state [B, S, H]."""
+    flat = unit_rms(streams.flatten(2).float(), config.rms_norm_eps)
+    mixes = F.linear(flat, fn.float())
+    pre = torch.sigmoid(mixes * scale.float() + base.float()) + config.hc_eps
+    return (pre[..., None] * streams).sum(dim=2).to(streams.dtype)
+
+
+class HyperHead(nn.Module):
+    """The streams collapsed into one hidden state before the final norm (`hc_head.*`)."""
+
+    def __init__(self, config: DeepseekV4Config) -> None:
+        super().__init__()
+        self.config = config
+        n = config.hc_mult
+        self.hc_fn = nn.Parameter(torch.zeros(n, n * config.hidden_size))
+        self.hc_base = nn.Parameter(torch.zeros(n))
+        self.hc_scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        return hyper_head(streams, self.hc_fn, self.hc_base, self.hc_scale, self.config)

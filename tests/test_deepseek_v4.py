@@ -1,0 +1,314 @@
+"""DeepSeek-V4 (docs/architecture.md §8): tiny random checkpoints written by `transformers`,
+every layer type (sliding, CSA, HCA) and both MoE kinds present, are served with the tokens
+of `transformers`' own greedy `generate` (one prompt at a time: its V4 is right only at
+batch size 1), with small windows and with V4-Flash's 128/4/128; the indexer's ties go to
+the lowest entry whatever the launch; per-slot state is the size its formula says; through
+a real pool, two expert-parallel ranks serve 48 concurrent requests with the tokens each
+gets alone on one rank, and a rank killed mid-decode changes no token; with the MTP module
+greedy tokens are those without it, and a rejected draft at a window boundary leaves
+nothing a later launch reads; FP8 attention weights load dequantized, FP4 experts fail at
+start naming their format."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from npu_worker.models.config import UnsupportedModel
+from npu_worker.models.deepseek_v4 import DeepseekV4CausalLM
+from npu_worker.models.deepseek_v4_config import state_elements_per_slot
+from npu_worker.models.deepseek_v4_state import DeepseekV4State
+from npu_worker.models.launch import LaunchInputs
+from npu_worker.models.loader import load_model
+from npu_worker.runner import LaunchRunner
+from producer.client import Client
+from producer.status import collect_status
+from schemas.keys import Keys
+from tests.conftest import StartPool
+from tests.helpers import TIE_TOLERANCE, check_stream, launch_shapes, random_prompt, wait_until
+from tests.reference import ReferenceCompletion, first_divergence, generate_alone
+from tests.test_hf_parity import hf_greedy
+
+make = pytest.importorskip("bench.make_deepseek_v4")
+MAX_MODEL_LEN = 768
+PROMPT_LENGTHS = (20, 150, 300, 600)
+NEW_TOKENS = 64
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """This process computes on one thread: a pool's ranks hold the other cores, and V4's
+    many small operations slow down badly on contended threads (measured: 127 s against
+    8 s for the 48-request references)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Small windows (16, rates 4/16) and V4-Flash's (128, rates 4/128)."""
+    root = tmp_path_factory.mktemp("deepseek_v4")
+    made = {windows: root / windows for windows in ("small", "real")}
+    for windows, path in made.items():
+        make.build(path, windows, mtp=windows == "small")
+    return made
+
+
+def lone(path: Path, prompts: list[list[int]], max_tokens: int) -> list[ReferenceCompletion]:
+    """Each prompt run alone on one rank holding every expert."""
+    loaded = load_model(path, "auto", torch.device("cpu"), MAX_MODEL_LEN)
+    runner = LaunchRunner(loaded.model, launch_shapes(1, MAX_MODEL_LEN, 128, 1))
+    return [generate_alone(runner, p, max_tokens, set(), MAX_MODEL_LEN) for p in prompts]
+
+
+def transformers_model(path: Path) -> torch.nn.Module:
+    import transformers
+
+    return transformers.DeepseekV4ForCausalLM.from_pretrained(path).eval()
+
+
+@pytest.mark.parametrize("windows", ["small", "real"])
+def test_chunked_prefill_and_decode_give_the_tokens_of_transformers_generate(
+    windows: str, checkpoints: dict[str, Path]
+) -> None:
+    path = checkpoints[windows]
+    model = transformers_model(path)
+    rng = random.Random(21)
+    prompts = [random_prompt(rng, n, make.VOCAB_SIZE) for n in PROMPT_LENGTHS]
+    for prompt, reference in zip(prompts, lone(path, prompts, NEW_TOKENS)):
+        wanted = hf_greedy(model, prompt, NEW_TOKENS)
+        problem = first_divergence(reference.token_ids, wanted, TIE_TOLERANCE)
+        assert problem is None, f"{windows} windows, prompt of {len(prompt)}: {problem}"
+
+
+def test_indexer_ties_go_to_the_lowest_entries_whatever_the_span(
+    checkpoints: dict[str, Path],
+) -> None:
+    loaded = load_model(checkpoints["small"], "auto", torch.device("cpu"), MAX_MODEL_LEN)
+    model = loaded.model
+    assert isinstance(model, DeepseekV4CausalLM)
+    indexers = [
+        layer.attn.indexer for layer in model.model.layers if hasattr(layer.attn, "indexer")
+    ]
+    assert indexers
+    with torch.no_grad():
+        for indexer in indexers:  # every score is relu(0) = 0: all entries tie
+            indexer.wq_b.weight.zero_()
+    # the tie itself: the lowest `index_topk` closed entries, for every query
+    indexer, config = indexers[0], model.config
+    batch, seq, entries = 2, 3, 40
+    keys = torch.randn(batch, entries, config.index_head_dim)
+    closed = torch.arange(entries)[None, None] < torch.tensor([[5, 20, 40], [0, 9, 33]])[..., None]
+    x, q_low = (
+        torch.randn(batch, seq, config.hidden_size),
+        torch.randn(batch, seq, config.q_lora_rank),
+    )
+    cos, sin = (
+        torch.ones(batch, seq, config.rope_dim // 2),
+        torch.zeros(batch, seq, config.rope_dim // 2),
+    )
+    seen = indexer(x, q_low, keys, cos, sin, closed)
+    lowest = torch.arange(entries)[None, None] < config.index_topk
+    assert torch.equal(seen, closed & lowest)
+    # and a request's logits do not depend on the span or the row its launch reads
+    runner = LaunchRunner(model, launch_shapes(4, MAX_MODEL_LEN, 128, 4))
+    rng = random.Random(22)
+    prompt, other = (
+        random_prompt(rng, 90, make.VOCAB_SIZE),
+        random_prompt(rng, 500, make.VOCAB_SIZE),
+    )
+    for slot, tokens in ((0, prompt), (2, other)):
+        for start in range(0, len(tokens), 128):
+            runner.prefill(slot, tokens[start : start + 128], start)
+    alone = runner.decode([0], [7], [len(prompt)]).clone()
+    beside = runner.decode([2, 0], [9, 7], [len(other), len(prompt)])[1]
+    assert torch.equal(alone[0], beside)
+
+
+def test_per_slot_state_is_the_size_its_formula_says(checkpoints: dict[str, Path]) -> None:
+    loaded = load_model(checkpoints["real"], "auto", torch.device("cpu"), MAX_MODEL_LEN)
+    config = loaded.model.config
+    state = loaded.model.new_cache(3, MAX_MODEL_LEN)
+    assert isinstance(state, DeepseekV4State)
+    buffers = [r.rows for r in state.window]
+    buffers += [e for e in (*state.entries, *state.index_keys) if e is not None]
+    buffers += [r.rows for r in (*state.projections, *state.index_projections) if r is not None]
+    allocated = sum(b.numel() * b.element_size() for b in buffers)
+    assert allocated == 3 * state.bytes_per_slot
+    counts = state_elements_per_slot(config, MAX_MODEL_LEN)
+    d, window = config.head_dim, config.sliding_window
+    assert counts["window"] == config.num_layers * (window + 2) * d
+    assert counts["entries"] == (2 * (MAX_MODEL_LEN // 4 + 1) + MAX_MODEL_LEN // 128 + 1) * d
+
+
+def test_expert_parallel_ranks_serve_48_concurrent_requests_as_one_rank_serves_each_alone(
+    checkpoints: dict[str, Path], start_pool: StartPool, client: Client, redis_client
+) -> None:
+    path = checkpoints["small"]
+    start_pool(
+        model=str(path),
+        ranks=2,
+        expert_parallel=True,
+        decode_batch=8,
+        kv_slots_per_rank=24,
+        max_model_len=MAX_MODEL_LEN,
+    )
+    rng = random.Random(23)
+    lengths = [600, 300, *(rng.randint(3, 140) for _ in range(46))]
+    cases = [(random_prompt(rng, n, make.VOCAB_SIZE), 16) for n in lengths]
+    ids = [client.submit(prompt_token_ids=p, max_tokens=m, ignore_eos=True) for p, m in cases]
+    references = lone(path, [p for p, _ in cases], 16)
+    for request_id, reference, (prompt, _) in zip(ids, references, cases):
+        tokens = check_stream(list(client.stream(request_id, timeout_s=240)))
+        problem = first_divergence(tokens, reference, TIE_TOLERANCE)
+        assert problem is None, f"prompt of {len(prompt)}: {problem}"
+    groups = redis_client.hgetall(Keys().rendezvous("default"))
+    assert groups[b"generation"] and groups[b"address"]  # the ranks really formed a group
+
+
+def test_killing_an_expert_parallel_rank_mid_decode_loses_nothing_and_changes_no_token(
+    checkpoints: dict[str, Path], start_pool: StartPool, client: Client, redis_client
+) -> None:
+    path = checkpoints["real"]
+    pool = start_pool(
+        model=str(path),
+        ranks=2,
+        expert_parallel=True,
+        decode_batch=4,
+        kv_slots_per_rank=8,
+        max_model_len=MAX_MODEL_LEN,
+        rank_timeout_s=3,
+        collective_timeout_s=10,
+    )
+    rng = random.Random(24)
+    cases = [(random_prompt(rng, rng.randint(3, 300), make.VOCAB_SIZE), 48) for _ in range(6)]
+    ids = [
+        client.submit(prompt_token_ids=p, max_tokens=m, ignore_eos=True, request_id=f"v4k{i}")
+        for i, (p, m) in enumerate(cases)
+    ]
+    keys = Keys()
+
+    def published() -> int:
+        pipe = redis_client.pipeline(transaction=False)
+        for request_id in ids:
+            pipe.xlen(keys.result(request_id))
+        return sum(pipe.execute())
+
+    wait_until(lambda: published() > 40, timeout_s=120, what="decode to be under way")
+    pool.processes.kill("rank1")
+    references = lone(path, [p for p, _ in cases], 48)
+    for request_id, reference in zip(ids, references):
+        tokens = check_stream(list(client.stream(request_id, timeout_s=240)))
+        problem = first_divergence(tokens, reference, TIE_TOLERANCE)
+        assert problem is None, f"{request_id}: {problem}"
+    assert {c.name: c.restarts for c in pool.processes.children}["rank1"] >= 1
+    wait_until(lambda: redis_client.xlen(keys.requests) == 0, what="every entry deleted")
+    assert redis_client.xlen(keys.dead) == 0
+
+
+def test_a_rejected_draft_at_a_window_boundary_leaves_nothing_a_later_launch_reads(
+    checkpoints: dict[str, Path],
+) -> None:
+    loaded = load_model(checkpoints["small"], "auto", torch.device("cpu"), MAX_MODEL_LEN)
+    model = loaded.model
+    runner = LaunchRunner(model, launch_shapes(2, MAX_MODEL_LEN, 128, 1))
+    rng = random.Random(25)
+    prompt = random_prompt(rng, 159, make.VOCAB_SIZE)
+    draft_position = 159  # closes a CSA and an HCA window
+    assert (draft_position + 1) % model.config.hca_rate == 0
+    for slot in (0, 1):
+        for start in (0, 128):
+            runner.prefill(slot, prompt[start : min(start + 128, draft_position - 1)], start)
+
+    def verify(slot: int, tokens: list[int]) -> None:
+        launch = LaunchInputs(
+            input_ids=torch.tensor([tokens]),
+            positions=torch.tensor([[draft_position - 1, draft_position]]),
+            slot_ids=torch.tensor([slot]),
+            logit_index=torch.tensor([[0, 1]]),
+            span=160,
+            window_start=None,
+        )
+        model(launch, runner.cache)
+
+    right = 11
+    verify(0, [prompt[-1], (right + 1) % make.VOCAB_SIZE])  # rejected: fed again below
+    verify(1, [prompt[-1], right])  # accepted, then fed again as slot 0's is
+    token = [right, right]
+    for position in range(draft_position, draft_position + 24):
+        logits = [runner.decode([slot], [token[slot]], [position])[0] for slot in (0, 1)]
+        assert torch.equal(logits[0], logits[1]), f"position {position}"
+        token = [int(logits[0].argmax())] * 2
+
+
+def test_greedy_with_the_mtp_module_equals_greedy_without(
+    checkpoints: dict[str, Path], start_pool: StartPool, client: Client
+) -> None:
+    path = checkpoints["small"]
+    start_pool(
+        model=str(path),
+        ranks=2,
+        expert_parallel=True,
+        mtp=True,
+        decode_batch=4,
+        max_model_len=MAX_MODEL_LEN,
+    )
+    rng = random.Random(26)
+    prompts = [random_prompt(rng, n, make.VOCAB_SIZE) for n in (5, 40, 130, 300)]
+    ids = [client.submit(prompt_token_ids=p, max_tokens=40, ignore_eos=True) for p in prompts]
+    for request_id, reference in zip(ids, lone(path, prompts, 40)):
+        tokens = check_stream(list(client.stream(request_id, timeout_s=180)))
+        assert first_divergence(tokens, reference, TIE_TOLERANCE) is None
+
+    def mtp() -> dict:
+        return collect_status(client.redis, client.keys)["pools"][0]["mtp"]
+
+    wait_until(lambda: mtp()["proposed"] > 0, what="drafts counted")
+    counts = mtp()
+    print("DeepSeek-V4, its fitted MTP module:", counts)
+    assert 0 < counts["accepted"] < counts["proposed"]  # both the accept and reject paths ran
+
+
+def test_fp8_attention_weights_load_as_their_dequantized_blocks(tmp_path: Path) -> None:
+    path = tmp_path / "fp8"
+    make.build(path, "small", fp8=True)
+    stored = load_file(str(path / "model.safetensors"))
+    weights = dict(
+        load_model(path, "auto", torch.device("cpu"), MAX_MODEL_LEN).model.named_parameters()
+    )
+    quantized = [k for k, v in stored.items() if v.dtype == torch.float8_e4m3fn]
+    assert len(quantized) >= 4 * 5 and all(".attn." in k for k in quantized)
+    for name in quantized:
+        fp8, scale = stored[name].float(), stored[name + "_scale_inv"]
+        want = torch.empty_like(fp8)
+        for i in range(scale.shape[0]):  # block by block, as the format defines it
+            for j in range(scale.shape[1]):
+                rows, cols = slice(128 * i, 128 * (i + 1)), slice(128 * j, 128 * (j + 1))
+                want[rows, cols] = fp8[rows, cols] * scale[i, j]
+        assert torch.equal(weights[name].detach(), want), name
+
+
+def test_fp4_experts_fail_at_start_naming_the_format(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    path = tmp_path / "fp4"
+    shutil.copytree(checkpoints["small"], path)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "weight_block_size": [128, 128],
+        "expert_dtype": "fp4",
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModel, match="experts stored as 'fp4'"):
+        load_model(path, "auto", torch.device("cpu"), MAX_MODEL_LEN)
