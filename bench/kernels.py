@@ -77,7 +77,11 @@ def measure(settings: Settings, iters: int) -> dict[str, Any]:
     device = loaded.device
     batch, chunk = settings.decode_batch, settings.prefill_chunk
     shapes = settings.launch_shapes()
-    runner = LaunchRunner(loaded.model, replace(shapes, num_slots=max(shapes.num_slots, batch)))
+    runner = LaunchRunner(
+        loaded.model,
+        replace(shapes, num_slots=max(shapes.num_slots, batch)),
+        decode_kernel=settings.decode_kernel,
+    )
     runner.warm_up()
     prompt = [5] * chunk
     launches: list[dict[str, Any]] = []

@@ -81,6 +81,12 @@ class Settings(BaseSettings):
         description="steps a rank's decode may wait while more prompts wait than one step "
         "prefills (0: decode every step)",
     )
+    decode_kernel: bool = Field(
+        default=True,
+        description="CPU: decode and verify attention in a small C kernel (built with the "
+        "system's compiler on first use) reading each row's own keys; off, or no compiler: "
+        "batched matrix products over the launch's span",
+    )
     mtp: bool = Field(default=False, description="decode with MTP drafts (K=1)")
     lockstep: bool = Field(default=False, description="every rank runs the same launches")
     expert_parallel: bool = Field(
