@@ -235,25 +235,31 @@ static void attend_row(const float *q, int queries, const int64_t *limit, int se
 
 /* q [B, S, H, D] float32 contiguous; out [B, S, H, Dv] float32 contiguous; k, v: one
    layer's cache with strides in elements (slot, head, position; channels contiguous);
-   slots [B]; limits [B, S]: query (b, s) sees positions 0..limits[b, s]-1 of its slot */
+   slots [B]; positions [B, S]: query (b, s) sees its slot's keys 0..positions[b, s], none
+   when that is at or past `span` (a padding row's scratch position) */
 int decode_attention(const float *q, const void *k, const void *v, const int64_t *slots,
-                     const int64_t *limits, float *out, int batch, int seq, int heads,
+                     const int64_t *positions, float *out, int batch, int seq, int heads,
                      int kv_heads, int dim, int vdim, int64_t k_slot, int64_t k_head,
                      int64_t k_pos, int64_t v_slot, int64_t v_head, int64_t v_pos,
-                     int max_len, int dtype, float scale, int threads) {
+                     int span, int dtype, float scale, int threads) {
     int group = heads / kv_heads, queries = seq * group, failed = 0;
     size_t elem = dtype == 0 ? 4 : 2;
-    size_t work_floats = dim + vdim + (size_t)queries * (max_len > 0 ? max_len : 1)
+    size_t work_floats = dim + vdim + (size_t)queries * (span > 0 ? span : 1)
                          + (size_t)queries * (vdim + 1);
     #pragma omp parallel num_threads(threads) reduction(|:failed)
     {
         float *work = malloc(work_floats * sizeof(float));
         float *qrow = malloc((size_t)queries * dim * sizeof(float));
-        if (!work || !qrow) failed = 1;
+        int64_t *limit = malloc((size_t)seq * sizeof(int64_t));
+        if (!work || !qrow || !limit) failed = 1;
         #pragma omp for schedule(static)
         for (int task = 0; task < batch * kv_heads; task++) {
-            if (!work || !qrow) continue;
+            if (!work || !qrow || !limit) continue;
             int b = task / kv_heads, h = task % kv_heads;
+            for (int s = 0; s < seq; s++) {
+                int64_t position = positions[(size_t)b * seq + s];
+                limit[s] = position < span ? position + 1 : 0;
+            }
             for (int s = 0; s < seq; s++)
                 for (int g = 0; g < group; g++)
                     memcpy(qrow + ((size_t)s * group + g) * dim,
@@ -262,11 +268,12 @@ int decode_attention(const float *q, const void *k, const void *v, const int64_t
             const char *kr = (const char *)k + (size_t)(slots[b] * k_slot + h * k_head) * elem;
             const char *vr = (const char *)v + (size_t)(slots[b] * v_slot + h * v_head) * elem;
             float *o = out + ((size_t)b * seq * heads + h * group) * vdim;
-            attend_row(qrow, queries, limits + (size_t)b * seq, seq, group, kr, k_pos, vr,
+            attend_row(qrow, queries, limit, seq, group, kr, k_pos, vr,
                        v_pos, dtype, dim, vdim, scale, o, (int64_t)heads * vdim, vdim, work);
         }
         free(work);
         free(qrow);
+        free(limit);
     }
     return failed;
 }
@@ -306,16 +313,15 @@ class DecodeKernel:
         gets zeros. Returns [B, S, H, Dv] in q's dtype."""
         batch, seq, heads, dim = q.shape
         kv_heads, value_dim = k_cache.shape[1], v_cache.shape[-1]
-        limits = torch.where(positions < span, positions + 1, 0).contiguous()
         query = q.float().contiguous()
-        slots = slot_ids.contiguous()
+        slots, row_positions = slot_ids.contiguous(), positions.contiguous()  # held over the call
         out = torch.empty(batch, seq, heads, value_dim, dtype=torch.float32)
         failed = self.call(
             query.data_ptr(),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
             slots.data_ptr(),
-            limits.data_ptr(),
+            row_positions.data_ptr(),
             out.data_ptr(),
             batch,
             seq,
