@@ -54,7 +54,9 @@ class Settings(BaseSettings):
         description=f"a model directory, a .gguf file, or a preset: {', '.join(MODEL_PRESETS)}",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16", "float64"] = Field(
-        default="auto", description="weights and KV dtype; auto: the checkpoint's"
+        default="auto",
+        description="weights and KV dtype; auto: the checkpoint's, except bfloat16 for a "
+        "float32 checkpoint on a CPU with native bfloat16 (AVX512-BF16 or AMX)",
     )
     device: Literal["auto", "cpu", "cuda", "npu"] = Field(
         default="auto", description="auto picks npu, then cuda, then cpu"

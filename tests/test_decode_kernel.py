@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+from npu_worker.devices import auto_dtype, cpu_has_native_bf16
 from npu_worker.models.cpu_attention import DecodeKernel, load_decode_kernel
 from npu_worker.models.layers import attend, causal_mask
 from npu_worker.models.loader import LoadedModel
@@ -153,3 +154,37 @@ def test_without_a_working_compiler_launches_fall_back_to_batched_products(
     assert runner.cache.decode_kernel is None
     assert runner.backend.name == "eager"
     assert torch.isfinite(logits).all()
+
+
+def test_auto_dtype_is_bfloat16_on_a_cpu_with_native_bfloat16() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    native, plain = frozenset({"avx512f", "avx512_bf16"}), frozenset({"avx2", "avx512f"})
+    assert auto_dtype(torch.float32, cpu, native) == torch.bfloat16
+    assert auto_dtype(torch.float32, cpu, frozenset({"amx_bf16"})) == torch.bfloat16
+    assert auto_dtype(torch.float32, cpu, plain) == torch.float32
+    assert auto_dtype(torch.float16, cpu, plain) == torch.bfloat16
+    assert auto_dtype(torch.bfloat16, cpu, plain) == torch.bfloat16
+    assert auto_dtype(torch.float32, cuda, native) == torch.float32
+    expected = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    assert load_reference_model(SETTINGS.model_copy(update={"dtype": "auto"})).dtype == expected
+
+
+@pytest.fixture(scope="module")
+def loaded_bf16() -> LoadedModel:
+    return load_reference_model(SETTINGS.model_copy(update={"dtype": "bfloat16"}))
+
+
+def test_bfloat16_decode_rows_are_bit_identical_alone_or_together(
+    kernel: DecodeKernel, loaded_bf16: LoadedModel
+) -> None:
+    runner, together = decode_logits(loaded_bf16, decode_kernel=True)
+    assert runner.cache.k[0].dtype == torch.bfloat16
+    rng = random.Random(3)
+    prompts = [random_prompt(rng, n, loaded_bf16.config.vocab_size) for n in (9, 60, 140, 3)]
+    shapes = launch_shapes(8, SETTINGS.max_kv_len, SETTINGS.prefill_chunk, 4)
+    for slot, prompt in enumerate(prompts):
+        alone = LaunchRunner(loaded_bf16.model, shapes)
+        for start in range(0, len(prompt), alone.prefill_chunk):
+            alone.prefill(slot, prompt[start : start + alone.prefill_chunk], start)
+        logits = alone.decode([slot], [5 + slot], [len(prompt)])
+        assert torch.equal(logits[0], together[slot])
