@@ -132,6 +132,37 @@ def main(argv: list[str] | None = None) -> int:
             f"{prefixes}; teacher-forced top-1 agreement {row['teacher_forced_agreement']:.3f} "
             f"of {total} positions"
         )
+    # the same figures for transformers itself in bfloat16: what the dtype costs anywhere
+    ours = reference.to(torch.bfloat16)
+    prefixes, agreed, total = [], 0, 0
+    for prompt, want in zip(prompts, wanted):
+        got = ours.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=args.max_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(prompt) :].tolist()
+        differ = [i for i, (a, b) in enumerate(zip(got, want)) if a != b]
+        prefixes.append(differ[0] if differ else len(want))
+        fed = torch.tensor([prompt + want[:-1]])
+        top = ours(fed).logits[0, len(prompt) - 1 :].argmax(-1).tolist()
+        agreed += sum(a == b for a, b in zip(top, want))
+        total += len(want)
+    results.append(
+        {
+            "dtype": "bfloat16 (transformers)",
+            "greedy_prefix": prefixes,
+            "identical_completions": sum(p == args.max_tokens for p in prefixes),
+            "teacher_forced_agreement": agreed / total,
+            "positions": total,
+        }
+    )
+    print(
+        f"transformers in bfloat16: {results[-1]['identical_completions']}/{len(prompts)} "
+        f"identical; greedy prefix per prompt {prefixes}; teacher-forced top-1 agreement "
+        f"{agreed / total:.3f} of {total} positions"
+    )
     if args.json:
         with open(args.json, "w") as out:
             json.dump(results, out, indent=2)
