@@ -12,6 +12,7 @@ import torch
 
 from npu_worker.devices import auto_dtype, cpu_has_native_bf16
 from npu_worker.models.cpu_attention import DecodeKernel, load_decode_kernel
+from npu_worker.models.launch import LaunchInputs
 from npu_worker.models.layers import attend, causal_mask
 from npu_worker.models.loader import LoadedModel
 from npu_worker.runner import LaunchRunner
@@ -188,3 +189,31 @@ def test_bfloat16_decode_rows_are_bit_identical_alone_or_together(
             alone.prefill(slot, prompt[start : start + alone.prefill_chunk], start)
         logits = alone.decode([slot], [5 + slot], [len(prompt)])
         assert torch.equal(logits[0], together[slot])
+
+
+def test_bfloat16_decode_logits_are_bit_identical_whatever_span_or_layout(
+    kernel: DecodeKernel, loaded_bf16: LoadedModel
+) -> None:
+    shapes = launch_shapes(8, SETTINGS.max_kv_len, SETTINGS.prefill_chunk, 4)
+    runner = LaunchRunner(loaded_bf16.model, shapes)
+    prompt = random_prompt(random.Random(0), 100, loaded_bf16.config.vocab_size)
+    for start in range(0, len(prompt), runner.prefill_chunk):
+        runner.prefill(2, prompt[start : start + runner.prefill_chunk], start)
+    scratch = runner.cache.scratch_position
+    outputs = []
+    for span, window in [(128, 2), (256, 2), (512, 0), (512, None)]:
+        slots = list(range(window, window + 4)) if window is not None else [2, 0, 0, 0]
+        row = 2 - window if window is not None else 0
+        ids, positions = [[0]] * 4, [[scratch]] * 4
+        ids[row], positions[row] = [7], [len(prompt)]
+        launch = LaunchInputs(
+            torch.tensor(ids),
+            torch.tensor(positions),
+            torch.tensor(slots),
+            torch.zeros(4, 1, dtype=torch.long),
+            span,
+            window,
+        )
+        outputs.append(loaded_bf16.model(launch, runner.cache).logits[row, 0])
+    for other in outputs[1:]:
+        assert torch.equal(outputs[0], other)
