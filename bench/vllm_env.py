@@ -14,7 +14,6 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from npu_worker.devices import cpu_has_native_bf16
 from schemas.config import Settings
 
 PROBE_TIMEOUT_S = 300.0
@@ -106,6 +105,8 @@ def _vllm_dtype(dtype: str, model_dir: Path) -> str:
     if dtype == "auto":
         config = json.loads((model_dir / "config.json").read_text())
         dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32")
+        from npu_worker.devices import cpu_has_native_bf16  # torch: not for `--help`
+
         if dtype == "float32" and cpu_has_native_bf16():
             dtype = "bfloat16"
     if dtype == "float16":  # the pool's CPU ranks run float16 checkpoints in bfloat16
