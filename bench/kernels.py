@@ -71,13 +71,53 @@ def _verify_call(runner: LaunchRunner, position: int) -> Callable[[], Any]:
     return call
 
 
+def attention_bandwidth(
+    runner: LaunchRunner, num_heads: int, context: int, iters: int
+) -> dict[str, Any] | None:
+    """Bytes per second of one layer's decode attention (every row at `context`) through
+    the decode kernel, against a plain sum streaming the same cache bytes; None without
+    the kernel."""
+    kernel = runner.cache.decode_kernel
+    k, v = runner.cache.k[0], runner.cache.v[0]
+    if kernel is None or not kernel.supports(k):
+        return None
+    batch, head_dim = runner.decode_batch, k.shape[-1]
+    q = torch.randn(batch, 1, num_heads, head_dim).to(k.dtype)
+    slots = torch.arange(batch)
+    positions = torch.full((batch, 1), context - 1)
+    span = runner.span_for(context)
+    scale = head_dim**-0.5
+    # the same bytes as float32 words (a bfloat16 pair is one word), so the sum streams them
+    # at float32 speed whatever the cache's dtype
+    words_k = k[:batch, :, :context].view(torch.float32)
+    words_v = v[:batch, :, :context].view(torch.float32)
+    live_bytes = 2 * words_k.numel() * 4
+    attention_ms = _timed(lambda: kernel(q, k, v, slots, positions, span, scale), k.device, iters)
+    sum_ms = _timed(lambda: (words_k.sum(), words_v.sum()), k.device, iters)
+    attention = live_bytes / (statistics.median(attention_ms) / 1000) / 1e9
+    streaming = live_bytes / (statistics.median(sum_ms) / 1000) / 1e9
+    return {
+        "rows": batch,
+        "context": context,
+        "bytes": live_bytes,
+        "kernel_ms": statistics.median(attention_ms),
+        "kernel_gb_per_s": attention,
+        "sum_gb_per_s": streaming,
+        "ratio": attention / streaming,
+    }
+
+
 def measure(settings: Settings, iters: int) -> dict[str, Any]:
     """Launch latencies and the back-to-back decode ceiling for one configuration."""
     loaded = load_for(settings)
     device = loaded.device
     batch, chunk = settings.decode_batch, settings.prefill_chunk
     shapes = settings.launch_shapes()
-    runner = LaunchRunner(loaded.model, replace(shapes, num_slots=max(shapes.num_slots, batch)))
+    runner = LaunchRunner(
+        loaded.model,
+        replace(shapes, num_slots=max(shapes.num_slots, batch)),
+        decode_kernel=settings.decode_kernel,
+    )
     runner.warm_up()
     prompt = [5] * chunk
     launches: list[dict[str, Any]] = []
@@ -121,7 +161,14 @@ def measure(settings: Settings, iters: int) -> dict[str, Any]:
         count += 1
     _sync(device)
     elapsed = time.perf_counter() - started
+    num_heads = getattr(loaded.config, "num_heads", None)
+    attention = (
+        [attention_bandwidth(runner, num_heads, c, iters) for c in sorted({chunk, context})]
+        if isinstance(num_heads, int)
+        else []
+    )
     return {
+        "attention": [row for row in attention if row is not None],
         "model": str(loaded.path.name),
         "device": str(device),
         "backend": runner.backend.name,
@@ -172,6 +219,12 @@ def main(argv: list[str] | None = None) -> int:
         f"ceiling: {ceiling['tokens_per_s']:.0f} tokens/s back-to-back "
         f"{ceiling['decode_shape']} at context {ceiling['context']}"
     )
+    for row in result["attention"]:
+        print(
+            f"decode attention, one layer, {row['rows']} rows at context {row['context']}: "
+            f"{row['kernel_gb_per_s']:.1f} GB/s ({row['kernel_ms']:.3f} ms); a plain sum of the "
+            f"same bytes {row['sum_gb_per_s']:.1f} GB/s; ratio {row['ratio']:.2f}"
+        )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))

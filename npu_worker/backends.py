@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
+from npu_worker.models.cpu_attention import load_decode_kernel
 from npu_worker.models.launch import KVCache, LaunchInputs, LaunchModel, LaunchOutput
 
 
@@ -33,14 +34,19 @@ class LaunchBackend(Protocol):
 
 
 class EagerBackend:
-    """Plain torch at static shapes."""
+    """Plain torch at static shapes; on the CPU, decode attention through the decode kernel
+    where it builds (`decode_kernel`), so each row reads only its own keys."""
 
     name = "eager"
     reads_in_place = True
     packs = True
 
-    def __init__(self, model: LaunchModel, cache: KVCache) -> None:
+    def __init__(self, model: LaunchModel, cache: KVCache, decode_kernel: bool = False) -> None:
         self.model, self.cache = model, cache
+        if decode_kernel and cache.device.type == "cpu":
+            cache.decode_kernel = load_decode_kernel()
+            if cache.decode_kernel is not None:
+                self.name = "eager+decode-kernel"
 
     def run(self, launch: LaunchInputs) -> LaunchOutput:
         return self.model(launch, self.cache)
@@ -165,11 +171,16 @@ class NpuBackend:
 
 
 def make_backend(
-    model: LaunchModel, cache: KVCache, device: torch.device, cuda_graphs: bool = True
+    model: LaunchModel,
+    cache: KVCache,
+    device: torch.device,
+    cuda_graphs: bool = True,
+    decode_kernel: bool = True,
 ) -> LaunchBackend:
-    """The backend for a device: graphs on CUDA (unless disabled), torch_npu on NPU."""
+    """The backend for a device: graphs on CUDA (unless disabled), torch_npu on NPU, else
+    eager (on the CPU with the decode kernel, unless disabled)."""
     if device.type == "cuda" and cuda_graphs:
         return CudaGraphBackend(model, cache)
     if device.type == "npu":
         return NpuBackend(model, cache)
-    return EagerBackend(model, cache)
+    return EagerBackend(model, cache, decode_kernel)

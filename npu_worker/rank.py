@@ -180,7 +180,9 @@ class Worker:
                 RankField.MODEL: str(loaded.path),
             },
         )
-        runner = LaunchRunner(loaded.model, settings.launch_shapes())
+        runner = LaunchRunner(
+            loaded.model, settings.launch_shapes(), decode_kernel=settings.decode_kernel
+        )
         self.redis.hset(
             self.rank_key,
             mapping={

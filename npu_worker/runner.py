@@ -76,7 +76,13 @@ EAGER_SPAN_STEP = 32
 class LaunchRunner:
     """Runs prefill, decode, and MTP verify/draft launches of one rank on its device."""
 
-    def __init__(self, model: LaunchModel, shapes: LaunchShapes, cuda_graphs: bool = True) -> None:
+    def __init__(
+        self,
+        model: LaunchModel,
+        shapes: LaunchShapes,
+        cuda_graphs: bool = True,
+        decode_kernel: bool = True,
+    ) -> None:
         self.mtp = model.mtp is not None
         self.model_packs = model.packs
         # what this rank runs, as it registers it: verify launches only with an MTP module
@@ -87,7 +93,7 @@ class LaunchRunner:
         num_slots = shapes.num_slots
         self.cache = model.new_cache(num_slots, shapes.max_kv_len)
         self.device = self.cache.device
-        self.backend = make_backend(model, self.cache, self.device, cuda_graphs)
+        self.backend = make_backend(model, self.cache, self.device, cuda_graphs, decode_kernel)
         # graph backends capture one shape per span, so spans are whole prefill chunks;
         # eager ones capture nothing and read only as far as the context needs
         self.span_step = prefill_chunk if not self.backend.reads_in_place else EAGER_SPAN_STEP

@@ -54,7 +54,9 @@ class Settings(BaseSettings):
         description=f"a model directory, a .gguf file, or a preset: {', '.join(MODEL_PRESETS)}",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16", "float64"] = Field(
-        default="auto", description="weights and KV dtype; auto: the checkpoint's"
+        default="auto",
+        description="weights and KV dtype; auto: the checkpoint's, except bfloat16 for a "
+        "float32 checkpoint on a CPU with native bfloat16 (AVX512-BF16 or AMX)",
     )
     device: Literal["auto", "cpu", "cuda", "npu"] = Field(
         default="auto", description="auto picks npu, then cuda, then cpu"
@@ -80,6 +82,12 @@ class Settings(BaseSettings):
         le=64,
         description="steps a rank's decode may wait while more prompts wait than one step "
         "prefills (0: decode every step)",
+    )
+    decode_kernel: bool = Field(
+        default=True,
+        description="CPU: decode and verify attention in a small C kernel (built with the "
+        "system's compiler on first use) reading each row's own keys; off, or no compiler: "
+        "batched matrix products over the launch's span",
     )
     mtp: bool = Field(default=False, description="decode with MTP drafts (K=1)")
     lockstep: bool = Field(default=False, description="every rank runs the same launches")

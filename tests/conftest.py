@@ -23,6 +23,10 @@ import redis
 OWN_HOME = None if "NPUPOOL_HOME" in os.environ else tempfile.mkdtemp(prefix="npupool-tests-")
 if OWN_HOME is not None:
     os.environ["NPUPOOL_HOME"] = OWN_HOME
+# Exactness and parity tests compare the pool with float32 references (`transformers`, a
+# request run alone): they run in float32 even where `--dtype auto` picks bfloat16 (a CPU
+# with native bfloat16); the bfloat16 path has tests of its own that ask for it.
+os.environ.setdefault("NPUPOOL_DTYPE", "float32")
 os.environ.pop("REDIS_URL", None)
 os.environ.pop("NPUPOOL_REDIS_URL", None)
 

@@ -19,6 +19,7 @@ from npu_worker.models.loader import load_model
 from npu_worker.runner import LaunchRunner
 from producer.client import Client
 from producer.status import PoolFailed, collect_status
+from schemas.config import Settings
 from schemas.keys import Keys
 from tests.conftest import StartPool
 from tests.helpers import (
@@ -33,6 +34,7 @@ from tests.test_hf_parity import hf_greedy
 
 make = pytest.importorskip("bench.make_deepseek_v3")
 MAX_MODEL_LEN = 512
+DTYPE = Settings().dtype  # the pools' (conftest: float32 unless the environment says)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +50,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def lone(path: Path, prompts: list[list[int]], max_tokens: int) -> list[ReferenceCompletion]:
     """Each prompt run alone on one rank holding every expert, no MTP."""
-    loaded = load_model(path, "auto", torch.device("cpu"), MAX_MODEL_LEN)
+    loaded = load_model(path, DTYPE, torch.device("cpu"), MAX_MODEL_LEN)
     runner = LaunchRunner(loaded.model, launch_shapes(1, MAX_MODEL_LEN, 128, 1))
     return [generate_alone(runner, p, max_tokens, set(), MAX_MODEL_LEN) for p in prompts]
 
@@ -129,15 +131,15 @@ def test_sampled_tokens_with_the_mtp_layer_follow_the_same_distribution(
     from tests.test_mtp import chi_square_ok, sample_paths
 
     path = checkpoints["q_lora"]
-    plain = load_model(path, "auto", torch.device("cpu"), MAX_MODEL_LEN)
-    drafted = load_model(path, "auto", torch.device("cpu"), MAX_MODEL_LEN, mtp=True)
+    plain = load_model(path, DTYPE, torch.device("cpu"), MAX_MODEL_LEN)
+    drafted = load_model(path, DTYPE, torch.device("cpu"), MAX_MODEL_LEN, mtp=True)
     assert chi_square_ok(sample_paths(plain, 800, 0), sample_paths(drafted, 800, 100_000))
 
 
 def test_an_fp8_copy_loads_as_its_dequantized_weights(checkpoints: dict[str, Path]) -> None:
     path = checkpoints["fp8"]
     stored = load_file(str(path / "model.safetensors"))
-    loaded = load_model(path, "auto", torch.device("cpu"), MAX_MODEL_LEN)
+    loaded = load_model(path, "float32", torch.device("cpu"), MAX_MODEL_LEN)
     weights = dict(loaded.model.named_parameters())
     quantized = [k for k, v in stored.items() if v.dtype == torch.float8_e4m3fn]
     assert len(quantized) > 20

@@ -32,9 +32,8 @@ SETTINGS = Settings(
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_lockstep_ranks_run_identical_launch_sequences_every_step(packed: bool) -> None:
-    loaded = load_model(
-        resolve_model_dir("tiny"), "auto", torch.device("cpu"), SETTINGS.max_kv_len, mtp=True
-    )
+    path = resolve_model_dir("tiny")
+    loaded = load_model(path, SETTINGS.dtype, torch.device("cpu"), SETTINGS.max_kv_len, mtp=True)
     engines = [
         LocalRank(
             LaunchRunner(loaded.model, launch_shapes(4, SETTINGS.max_kv_len, 128, 2)),

@@ -31,7 +31,7 @@ SETTINGS = Settings(
 
 def load(mtp: bool) -> LoadedModel:
     return load_model(
-        resolve_model_dir("tiny"), "auto", torch.device("cpu"), SETTINGS.max_kv_len, mtp=mtp
+        resolve_model_dir("tiny"), SETTINGS.dtype, torch.device("cpu"), SETTINGS.max_kv_len, mtp=mtp
     )
 
 

@@ -4,9 +4,13 @@ outputs, and the static KV cache it reads and writes (docs/architecture.md §2).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from npu_worker.models.cpu_attention import DecodeKernel
 
 
 @dataclass(slots=True)
@@ -80,6 +84,9 @@ class KVCache:
         self.num_slots = num_slots
         self.max_kv_len = max_kv_len
         self.device = device
+        # set by a backend that runs decode attention as its own kernel (CPU: each row's
+        # own keys in place); None: batched matrix products over the span
+        self.decode_kernel: DecodeKernel | None = None
 
     @property
     def bytes_per_token(self) -> int:

@@ -10,7 +10,11 @@ import torch
 from torch import nn
 
 from npu_worker.models.config import ModelConfig
-from npu_worker.models.launch import LaunchInputs
+from npu_worker.models.launch import KVCache, LaunchInputs
+
+# Launches of at most this many tokens a row (decode S1, MTP verify and draft S2) take the
+# decode kernel; prefill chunks keep the batched matrix products, which suit their shape.
+DECODE_KERNEL_MAX_SEQ = 4
 
 
 class RMSNorm(nn.Module):
@@ -38,9 +42,7 @@ def cached_keys(
     consecutive slots) or gathered, up to the launch's span; packed launches per segment."""
     if launch.packed:
         return packed_keys(k_cache, v_cache, k, v, launch)
-    rows = launch.slot_ids[:, None]
-    k_cache[rows, :, launch.positions] = k.to(k_cache.dtype)
-    v_cache[rows, :, launch.positions] = v.to(v_cache.dtype)
+    write_cache(k_cache, v_cache, k, v, launch)
     if launch.window_start is not None:
         window = slice(launch.window_start, launch.window_start + k.shape[0])
         keys = k_cache[window, :, : launch.span]
@@ -49,6 +51,47 @@ def cached_keys(
         keys = k_cache[launch.slot_ids, :, : launch.span]
         values = v_cache[launch.slot_ids, :, : launch.span]
     return keys, values, causal_mask(launch.positions, launch.span)
+
+
+def write_cache(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    launch: LaunchInputs,
+) -> None:
+    """Write an unpacked launch's K/V [B, S, Hkv, D] at its rows' slots and positions."""
+    rows = launch.slot_ids[:, None]
+    k_cache[rows, :, launch.positions] = k.to(k_cache.dtype)
+    v_cache[rows, :, launch.positions] = v.to(v_cache.dtype)
+
+
+def cached_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: KVCache,
+    layer: int,
+    launch: LaunchInputs,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """One layer's attention of a launch's queries q [B, S, H, D] over the cache, after
+    writing its K/V: decode and verify launches through the cache's decode kernel where it
+    has one (each row's own keys, read in place), everything else masked over the span."""
+    k_cache, v_cache = cache.k[layer], cache.v[layer]
+    kernel = cache.decode_kernel
+    if (
+        kernel is not None
+        and not launch.packed
+        and q.shape[1] <= DECODE_KERNEL_MAX_SEQ
+        and kernel.supports(k_cache)
+        and kernel.supports(v_cache)
+    ):
+        write_cache(k_cache, v_cache, k, v, launch)
+        scale = q.shape[-1] ** -0.5
+        return kernel(q, k_cache, v_cache, launch.slot_ids, launch.positions, launch.span, scale)
+    keys, values, visible = cached_keys(k_cache, v_cache, k, v, launch)
+    return attend(q, keys, values, visible, num_kv_heads)
 
 
 def causal_mask(positions: torch.Tensor, span: int) -> torch.Tensor:

@@ -14,7 +14,7 @@ from npu_worker.models.launch import KVCache, LaunchInputs, LaunchModel, LaunchO
 from npu_worker.models.layers import (
     RMSNorm,
     attend,
-    cached_keys,
+    cached_attention,
     causal_mask,
     rope_inv_freq,
     rotate_half,
@@ -51,8 +51,7 @@ class Attention(nn.Module):
             visible = causal_mask(launch.positions, seq)
             out = attend(q, keys, values, visible, self.num_kv_heads)
             return self.o_proj(out.reshape(batch, seq, self.num_heads * self.head_dim))
-        keys, values, visible = cached_keys(cache.k[self.layer], cache.v[self.layer], k, v, launch)
-        out = attend(q, keys, values, visible, self.num_kv_heads)
+        out = cached_attention(q, k, v, cache, self.layer, launch, self.num_kv_heads)
         return self.o_proj(out.reshape(batch, seq, self.num_heads * self.head_dim))
 
 

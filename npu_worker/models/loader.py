@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from npu_worker.devices import auto_dtype
 from npu_worker.models import deepseek_v3_config as deepseek_v3
 from npu_worker.models import deepseek_v4_config as deepseek_v4
 from npu_worker.models.config import ModelConfig, UnsupportedModel
@@ -101,11 +102,10 @@ def load_model(
     if not tokenizer_path.exists():
         raise UnsupportedModel(f"{path} has no tokenizer.json")
     tokenizer = Tokenizer.from_file(str(tokenizer_path))
-    dtype = (
-        DTYPES.get(config.torch_dtype, torch.float32)
-        if dtype_name == "auto"
-        else DTYPES[dtype_name]
-    )
+    if dtype_name == "auto":
+        dtype = auto_dtype(DTYPES.get(config.torch_dtype, torch.float32), device)
+    else:
+        dtype = DTYPES[dtype_name]
     if dtype == torch.float16 and device.type == "cpu":
         dtype = torch.bfloat16
     model, state = _build(path, config, max_kv_len, mtp, experts)

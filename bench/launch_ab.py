@@ -1,0 +1,86 @@
+"""Decode launches under several settings, interleaved in one process: float32 with
+batched matrix products (the path before the decode kernel), float32 with the kernel, and
+bfloat16 with the kernel. Rounds alternate between them so a noisy machine slows each
+alike; speed-ups are medians of the per-round ratios to the first.
+
+    python -m bench.launch_ab --model smollm2 --decode-batch 64 --contexts 256 1024
+
+A launch's rows sit at contexts spread evenly over [context / 2, context], as a live
+launch's rows differ in length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import replace
+from typing import Literal
+
+import torch
+
+from npu_worker.models.presets import load_for
+from npu_worker.runner import LaunchRunner
+from schemas.config import Settings
+
+DType = Literal["float32", "bfloat16"]
+VARIANTS: list[tuple[DType, bool]] = [("float32", False), ("float32", True), ("bfloat16", True)]
+
+
+def runners(model: str, batch: int, max_model_len: int) -> dict[str, LaunchRunner]:
+    """One runner (its own cache) per variant; one model per dtype."""
+    out = {}
+    for dtype, kernel in VARIANTS:
+        settings = Settings(
+            model=model,
+            device="cpu",
+            dtype=dtype,
+            decode_batch=batch,
+            kv_slots_per_rank=batch,
+            max_model_len=max_model_len,
+        )
+        loaded = load_for(settings)
+        shapes = replace(settings.launch_shapes(), num_slots=batch)
+        name = f"{dtype} {'kernel' if kernel else 'matmul'}"
+        out[name] = LaunchRunner(loaded.model, shapes, decode_kernel=kernel)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print each variant's median ms per launch and its speed-up over the first."""
+    parser = argparse.ArgumentParser(prog="python -m bench.launch_ab", description=__doc__)
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--decode-batch", type=int, default=64)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[256, 1024])
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (a rank's)")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    torch.set_num_threads(args.threads)
+    torch.set_grad_enabled(False)
+    batch = args.decode_batch
+    by_name = runners(args.model, batch, max(args.contexts))
+    slots = list(range(batch))
+    for context in args.contexts:
+        half = context // 2
+        positions = [half - 1 + half * i // max(batch - 1, 1) for i in range(batch)]
+        times: dict[str, list[float]] = {name: [] for name in by_name}
+        for runner in by_name.values():  # warm
+            runner.decode(slots, [5] * batch, positions).argmax(-1)
+        for _ in range(args.rounds):
+            for name, runner in by_name.items():
+                began = time.perf_counter()
+                for _ in range(2):
+                    runner.decode(slots, [5] * batch, positions).argmax(-1)
+                times[name].append((time.perf_counter() - began) / 2 * 1000)
+        base = next(iter(times.values()))
+        cells = []
+        for name, ms in times.items():
+            ratio = statistics.median(b / a for a, b in zip(ms, base))
+            cells.append(f"{name} {statistics.median(ms):.1f} ms (x{ratio:.2f})")
+        print(f"{args.model} B{batch}S1, rows at {half}-{context}: " + "; ".join(cells))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

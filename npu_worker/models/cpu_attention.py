@@ -1,0 +1,398 @@
+"""Decode attention on the CPU that reads each row's own live keys once.
+
+Batched matrix products over a launch's whole span read every row's keys up to the longest
+context in the launch, and at the shapes of a decode launch (a few query heads per KV head)
+they run far below the memory's bandwidth. This kernel walks each (row, KV head) over
+its slot's keys `0..position` in place in the cache, once for all the queries that share
+them: a dot product per key, a softmax, a weighted sum of the values, each in one fixed
+order that depends only on the row's own context. So a row's output is bit-identical
+whatever else shares its launch and whatever span the launch reads (docs/architecture.md §2).
+
+It is a few dozen lines of C, built once per machine with the system's C compiler into the
+npu-pool cache (keyed by its source, the compiler and the CPU) and called through ctypes,
+which releases the GIL while it runs. Where there is no compiler or the build fails,
+`load_decode_kernel` returns None and launches keep the batched-matrix path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from schemas.config import cache_dir
+
+log = logging.getLogger(__name__)
+
+SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#define LANES 16
+#define MAX_QUERIES 4 /* queries a pass over a row's values serves (their sums in registers) */
+
+/* keys and values are float32 (dtype 0) or bfloat16 (dtype 1): a bfloat16 is the top half
+   of a float32, so widening one is a shift */
+static inline const float *widen(const char *src, int dtype, int n, float *dst) {
+    if (dtype == 0) return (const float *)src;
+    const uint16_t *h = (const uint16_t *)src;
+    for (int i = 0; i < n; i++) {
+        uint32_t bits = (uint32_t)h[i] << 16;
+        memcpy(dst + i, &bits, sizeof(float));
+    }
+    return dst;
+}
+
+/* a . b: independent partial sums, then one fixed order of adding them */
+static inline float dot(const float *a, const float *b, int n) {
+#ifdef __AVX512F__
+    if (n % 32 == 0) {
+        __m512 even = _mm512_setzero_ps(), odd = even;
+        for (int d = 0; d < n; d += 32) {
+            even = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), even);
+            odd = _mm512_fmadd_ps(_mm512_loadu_ps(a + d + 16), _mm512_loadu_ps(b + d + 16), odd);
+        }
+        return _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
+    }
+#endif
+    float part[LANES] = {0};
+    int d = 0;
+    for (; d + LANES <= n; d += LANES)
+        for (int l = 0; l < LANES; l++) part[l] += a[d + l] * b[d + l];
+    for (int l = 0; d < n; d++, l++) part[l] += a[d] * b[d];
+    for (int width = LANES / 2; width > 0; width /= 2)
+        for (int l = 0; l < width; l++) part[l] += part[l + width];
+    return part[0];
+}
+
+/* e^x for x <= 0 (softmax after subtracting the maximum), as straight-line arithmetic the
+   compiler vectorizes: x = k ln2 + r (|r| <= ln2 / 2), e^r by its Taylor polynomial, 2^k
+   into the exponent */
+static inline float exp_nonpositive(float x) {
+    x = x > -87.0f ? x : -87.0f;
+    float k = (x * 1.44269504f + 12582912.0f) - 12582912.0f; /* round to nearest */
+    float r = x - k * 0.693145752f - k * 1.42860677e-6f;
+    float p = 1.0f + r * (1.0f + r * (0.5f + r * (0.166666672f + r * (0.0416666679f
+              + r * (0.00833333377f + r * 0.00138888892f)))));
+    int32_t bits = ((int32_t)k + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof(float));
+    return p * scale;
+}
+
+/* softmax numerators of row[0..n) in place, zeros on to `width`; returns their sum */
+static float softmax_row(float *row, int n, int width) {
+    float top[LANES], part[LANES] = {0};
+    for (int l = 0; l < LANES; l++) top[l] = -INFINITY;
+    int t = 0;
+    for (; t + LANES <= n; t += LANES)
+        for (int l = 0; l < LANES; l++) top[l] = row[t + l] > top[l] ? row[t + l] : top[l];
+    for (int l = 0; t < n; t++, l++) top[l] = row[t] > top[l] ? row[t] : top[l];
+    float most = top[0];
+    for (int l = 1; l < LANES; l++) most = top[l] > most ? top[l] : most;
+    for (t = 0; t < n; t++) row[t] = exp_nonpositive(row[t] - most);
+    for (t = n; t < width; t++) row[t] = 0.0f;
+    for (t = 0; t + LANES <= n; t += LANES)
+        for (int l = 0; l < LANES; l++) part[l] += row[t + l];
+    for (int l = 0; t < n; t++, l++) part[l] += row[t];
+    for (int width = LANES / 2; width > 0; width /= 2)
+        for (int l = 0; l < width; l++) part[l] += part[l + width];
+    return part[0];
+}
+
+#ifdef __AVX512F__
+/* 16 channels of a value row, widened to float32 */
+static inline __m512 load16(const char *row, int dtype) {
+    if (dtype == 0) return _mm512_loadu_ps((const float *)row);
+    __m256i half = _mm256_loadu_si256((const __m256i *)row);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+#endif
+
+/* acc[j][0..vdim) = sum over t < n of p[j][t] * value t, in order of t, for `nq` (at most
+   MAX_QUERIES) queries in one pass over the values: each value row is read once, and the
+   sums stay in registers (AVX-512: 64 channels a pass) */
+static void weigh_values(const float *p, int64_t p_step, int nq, int n, const char *v,
+                         int64_t v_step, int dtype, int vdim, float *acc, float *wide) {
+    size_t elem = dtype == 0 ? 4 : 2;
+    int d0 = 0;
+#ifdef __AVX512F__
+    for (; d0 + 64 <= vdim; d0 += 64) {
+        __m512 a[MAX_QUERIES][4];
+        for (int j = 0; j < MAX_QUERIES; j++)
+            for (int c = 0; c < 4; c++) a[j][c] = _mm512_setzero_ps();
+        for (int t = 0; t < n; t++) {
+            const char *row = v + ((size_t)t * v_step + d0) * elem;
+            __m512 x[4];
+            for (int c = 0; c < 4; c++) x[c] = load16(row + 16 * c * elem, dtype);
+            for (int j = 0; j < MAX_QUERIES; j++) {
+                if (j >= nq) break;
+                __m512 w = _mm512_set1_ps(p[j * p_step + t]);
+                for (int c = 0; c < 4; c++) a[j][c] = _mm512_fmadd_ps(w, x[c], a[j][c]);
+            }
+        }
+        for (int j = 0; j < nq; j++)
+            for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + j * vdim + d0 + 16 * c, a[j][c]);
+    }
+#endif
+    if (d0 == vdim) return;
+    for (int j = 0; j < nq; j++) memset(acc + j * vdim + d0, 0, sizeof(float) * (vdim - d0));
+    for (int t = 0; t < n; t++) {
+        const float *value = widen(v + (size_t)t * v_step * elem, dtype, vdim, wide);
+        for (int j = 0; j < nq; j++)
+            for (int d = d0; d < vdim; d++) acc[j * vdim + d] += p[j * p_step + t] * value[d];
+    }
+}
+
+#ifdef __AVX512F__
+/* scores of up to MAX_QUERIES queries of 64 channels against keys 0..n: the queries stay in
+   registers and each key row is loaded once for all of them */
+static void score_keys64(const float *q, int nq, const int *n, int longest, const char *k,
+                         int64_t k_step, int dtype, float scale, float *scores) {
+    size_t elem = dtype == 0 ? 4 : 2;
+    __m512 qv[MAX_QUERIES][4];
+    for (int j = 0; j < MAX_QUERIES; j++)
+        for (int c = 0; c < 4; c++)
+            qv[j][c] = j < nq ? _mm512_loadu_ps(q + j * 64 + 16 * c) : _mm512_setzero_ps();
+    for (int t = 0; t < longest; t++) {
+        const char *row = k + (size_t)t * k_step * elem;
+        __m512 x[4];
+        for (int c = 0; c < 4; c++) x[c] = load16(row + 16 * c * elem, dtype);
+        for (int j = 0; j < MAX_QUERIES; j++) {
+            if (j >= nq) break;
+            if (t >= n[j]) continue;
+            __m512 even = _mm512_fmadd_ps(qv[j][2], x[2], _mm512_mul_ps(qv[j][0], x[0]));
+            __m512 odd = _mm512_fmadd_ps(qv[j][3], x[3], _mm512_mul_ps(qv[j][1], x[1]));
+            float sum = _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
+            scores[(size_t)j * longest + t] = sum * scale;
+        }
+    }
+}
+#endif
+
+/* one (row, KV head): its `queries` query vectors [queries, dim] (S positions x the heads
+   of its group), position s's queries seeing keys 0..limit[s]-1 */
+static void attend_row(const float *q, int queries, const int64_t *limit, int seq, int group,
+                       const char *k, int64_t k_step, const char *v, int64_t v_step,
+                       int dtype, int dim, int vdim, float scale, float *out,
+                       int64_t out_seq_step, int64_t out_head_step, float *work) {
+    int longest = 0;
+    for (int s = 0; s < seq; s++) if (limit[s] > longest) longest = (int)limit[s];
+    size_t elem = dtype == 0 ? 4 : 2;
+    float *wide = work, *scores = work + dim + vdim;
+    float *acc = scores + (size_t)queries * (longest > 0 ? longest : 1);
+    float *total = acc + (size_t)queries * vdim;
+    int t = 0;
+#ifdef __AVX512F__
+    if (dim == 64) {
+        for (int i = 0; i < queries; i += MAX_QUERIES) {
+            int nq = queries - i < MAX_QUERIES ? queries - i : MAX_QUERIES, n[MAX_QUERIES];
+            for (int j = 0; j < nq; j++) n[j] = (int)limit[(i + j) / group];
+            score_keys64(q + (size_t)i * dim, nq, n, longest, k, k_step, dtype, scale,
+                         scores + (size_t)i * longest);
+        }
+        t = longest;
+    }
+#endif
+    for (; t < longest; t++) {
+        const float *key = widen(k + (size_t)t * k_step * elem, dtype, dim, wide);
+        for (int s = 0; s < seq; s++) {
+            if (t >= limit[s]) continue;
+            for (int i = s * group; i < (s + 1) * group; i++)
+                scores[(size_t)i * longest + t] = dot(q + (size_t)i * dim, key, dim) * scale;
+        }
+    }
+    for (int s = 0; s < seq; s++)
+        for (int i = s * group; i < (s + 1) * group; i++)
+            total[i] = softmax_row(scores + (size_t)i * longest, (int)limit[s], longest);
+    for (int i = 0; i < queries; i += MAX_QUERIES) {
+        int nq = queries - i < MAX_QUERIES ? queries - i : MAX_QUERIES;
+        weigh_values(scores + (size_t)i * longest, longest, nq, longest, v, v_step, dtype,
+                     vdim, acc + (size_t)i * vdim, wide + dim);
+    }
+    for (int s = 0; s < seq; s++)
+        for (int g = 0; g < group; g++) {
+            int i = s * group + g;
+            float *dst = out + s * out_seq_step + g * out_head_step;
+            float inv = total[i] > 0.0f ? 1.0f / total[i] : 0.0f;
+            for (int d = 0; d < vdim; d++) dst[d] = acc[(size_t)i * vdim + d] * inv;
+        }
+}
+
+/* q [B, S, H, D] float32 contiguous; out [B, S, H, Dv] float32 contiguous; k, v: one
+   layer's cache with strides in elements (slot, head, position; channels contiguous);
+   slots [B]; positions [B, S]: query (b, s) sees its slot's keys 0..positions[b, s], none
+   when that is at or past `span` (a padding row's scratch position) */
+int decode_attention(const float *q, const void *k, const void *v, const int64_t *slots,
+                     const int64_t *positions, float *out, int batch, int seq, int heads,
+                     int kv_heads, int dim, int vdim, int64_t k_slot, int64_t k_head,
+                     int64_t k_pos, int64_t v_slot, int64_t v_head, int64_t v_pos,
+                     int span, int dtype, float scale, int threads) {
+    int group = heads / kv_heads, queries = seq * group, failed = 0;
+    size_t elem = dtype == 0 ? 4 : 2;
+    size_t work_floats = dim + vdim + (size_t)queries * (span > 0 ? span : 1)
+                         + (size_t)queries * (vdim + 1);
+    #pragma omp parallel num_threads(threads) reduction(|:failed)
+    {
+        float *work = malloc(work_floats * sizeof(float));
+        float *qrow = malloc((size_t)queries * dim * sizeof(float));
+        int64_t *limit = malloc((size_t)seq * sizeof(int64_t));
+        if (!work || !qrow || !limit) failed = 1;
+        #pragma omp for schedule(static)
+        for (int task = 0; task < batch * kv_heads; task++) {
+            if (!work || !qrow || !limit) continue;
+            int b = task / kv_heads, h = task % kv_heads;
+            for (int s = 0; s < seq; s++) {
+                int64_t position = positions[(size_t)b * seq + s];
+                limit[s] = position < span ? position + 1 : 0;
+            }
+            for (int s = 0; s < seq; s++)
+                for (int g = 0; g < group; g++)
+                    memcpy(qrow + ((size_t)s * group + g) * dim,
+                           q + (((size_t)b * seq + s) * heads + h * group + g) * dim,
+                           sizeof(float) * dim);
+            const char *kr = (const char *)k + (size_t)(slots[b] * k_slot + h * k_head) * elem;
+            const char *vr = (const char *)v + (size_t)(slots[b] * v_slot + h * v_head) * elem;
+            float *o = out + ((size_t)b * seq * heads + h * group) * vdim;
+            attend_row(qrow, queries, limit, seq, group, kr, k_pos, vr,
+                       v_pos, dtype, dim, vdim, scale, o, (int64_t)heads * vdim, vdim, work);
+        }
+        free(work);
+        free(qrow);
+        free(limit);
+    }
+    return failed;
+}
+"""
+
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+
+
+class DecodeKernel:
+    """The built kernel: attention of a decode (or verify) launch's queries over the cache."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self.call = library.decode_attention
+        pointers: list[type[Any]] = [ctypes.c_void_p] * 6
+        sizes: list[type[Any]] = [ctypes.c_int] * 6 + [ctypes.c_int64] * 6
+        tail: list[type[Any]] = [ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int]
+        self.call.argtypes = pointers + sizes + tail
+        self.call.restype = ctypes.c_int
+
+    def supports(self, cache: torch.Tensor) -> bool:
+        """True for a cache this kernel reads: CPU, float32 or bfloat16, channels contiguous."""
+        return cache.device.type == "cpu" and cache.dtype in DTYPE_CODES and cache.stride(-1) == 1
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_ids: torch.Tensor,
+        positions: torch.Tensor,
+        span: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """q [B, S, H, D] over cache [slots, Hkv, positions, D]: query (b, s) sees its slot's
+        keys up to `positions[b, s]`; a query at or past `span` (padding) sees none and
+        gets zeros. Returns [B, S, H, Dv] in q's dtype."""
+        batch, seq, heads, dim = q.shape
+        kv_heads, value_dim = k_cache.shape[1], v_cache.shape[-1]
+        query = q.float().contiguous()
+        slots, row_positions = slot_ids.contiguous(), positions.contiguous()  # held over the call
+        out = torch.empty(batch, seq, heads, value_dim, dtype=torch.float32)
+        failed = self.call(
+            query.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            slots.data_ptr(),
+            row_positions.data_ptr(),
+            out.data_ptr(),
+            batch,
+            seq,
+            heads,
+            kv_heads,
+            dim,
+            value_dim,
+            *k_cache.stride()[:3],
+            *v_cache.stride()[:3],
+            span,
+            DTYPE_CODES[k_cache.dtype],
+            scale,
+            torch.get_num_threads(),
+        )
+        if failed:
+            raise MemoryError("decode attention could not allocate its work buffers")
+        return out.to(q.dtype)
+
+
+def load_decode_kernel() -> DecodeKernel | None:
+    """The kernel, built on first use into the cache; None (with the reason logged once)
+    where this machine cannot build or load it."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.info("decode attention: no C compiler found; using batched matrix products")
+        return None
+    try:
+        return DecodeKernel(ctypes.CDLL(str(_built(compiler))))
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning(
+            "decode attention: building the CPU kernel failed (%s); using batched matrix products",
+            exc,
+        )
+        return None
+
+
+def _built(compiler: str) -> Path:
+    """The shared library for this source, compiler and CPU, compiled once (atomically, so
+    ranks starting together never load a half-written file)."""
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, check=True, timeout=30
+    ).stdout
+    key = hashlib.sha256(
+        "\0".join([SOURCE, compiler, version, *FLAGS, platform.machine(), _cpu_flags()]).encode()
+    ).hexdigest()[:16]
+    target = cache_dir() / "kernels" / f"decode_attention-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        source = Path(scratch) / "decode_attention.c"
+        source.write_text(SOURCE)
+        built = Path(scratch) / target.name
+        result = subprocess.run(
+            [compiler, *FLAGS, str(source), "-o", str(built), "-lm"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        if result.returncode != 0:
+            raise OSError(f"{compiler} exited {result.returncode}: {result.stderr.strip()[-400:]}")
+        os.replace(built, target)
+    return target
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (-march=native builds for exactly these)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()

@@ -1,0 +1,219 @@
+"""The CPU decode kernel: each row attends over its own slot's keys up to its position, as
+masked attention over the span does, and a row's output is bit-identical whatever span the
+launch reads and whatever the other rows hold; without a compiler, launches fall back to
+batched matrix products."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from npu_worker.devices import auto_dtype, cpu_has_native_bf16
+from npu_worker.models.cpu_attention import DecodeKernel, load_decode_kernel
+from npu_worker.models.launch import LaunchInputs
+from npu_worker.models.layers import attend, causal_mask
+from npu_worker.models.loader import LoadedModel
+from npu_worker.runner import LaunchRunner
+from schemas.config import Settings
+from tests.helpers import launch_shapes, load_reference_model, random_prompt
+
+SLOTS, POSITIONS = 6, 257  # positions + 1: the last is the cache's scratch position
+SCRATCH = POSITIONS - 1
+
+
+@pytest.fixture(scope="module")
+def kernel() -> DecodeKernel:
+    built = load_decode_kernel()
+    if built is None:
+        pytest.skip("no C compiler on this machine")
+    return built
+
+
+def random_cache(
+    heads: int, kv_heads: int, dim: int, dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    shape = (SLOTS, kv_heads, POSITIONS, dim)
+    k = torch.randn(shape, generator=generator).to(dtype)
+    v = torch.randn(shape, generator=generator).to(dtype)
+    return k, v
+
+
+def masked_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    span: int,
+) -> torch.Tensor:
+    """The batched-matrix path: the rows' slots over the whole span, masked by position."""
+    visible = causal_mask(positions, span)
+    return attend(q, k[slots, :, :span], v[slots, :, :span], visible, k.shape[1])
+
+
+@pytest.mark.parametrize("dim", [64, 16])  # 64: the vector path; 16: the portable one
+@pytest.mark.parametrize("seq", [1, 2])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (9, 3), (4, 4)])
+def test_kernel_matches_masked_attention_over_the_span(
+    kernel: DecodeKernel, dim: int, seq: int, heads: int, kv_heads: int
+) -> None:
+    k, v = random_cache(heads, kv_heads, dim, torch.float32, seed=dim + seq + heads)
+    q = torch.randn(4, seq, heads, dim, generator=torch.Generator().manual_seed(1))
+    slots = torch.tensor([3, 0, 5, 1])
+    last = torch.tensor([0, 17, 130, 190])  # each row's first query position
+    positions = last[:, None] + torch.arange(seq)[None, :]
+    ours = kernel(q, k, v, slots, positions, 256, dim**-0.5)
+    theirs = masked_reference(q, k, v, slots, positions, 256)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=2e-6)
+
+
+def test_kernel_reads_bfloat16_caches(kernel: DecodeKernel) -> None:
+    k, v = random_cache(9, 3, 64, torch.bfloat16, seed=7)
+    q = torch.randn(3, 2, 9, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
+    slots, positions = torch.tensor([2, 4, 1]), torch.tensor([[5, 6], [99, 100], [200, 201]])
+    ours = kernel(q, k, v, slots, positions, 224, 64**-0.5)
+    assert ours.dtype == torch.bfloat16
+    theirs = masked_reference(q.float(), k.float(), v.float(), slots, positions, 224)
+    torch.testing.assert_close(ours.float(), theirs, rtol=1e-2, atol=1e-2)
+
+
+def test_padding_rows_see_no_keys_and_get_zeros(kernel: DecodeKernel) -> None:
+    k, v = random_cache(4, 2, 64, torch.float32, seed=3)
+    q = torch.randn(2, 2, 4, 64)
+    positions = torch.tensor([[SCRATCH, SCRATCH], [40, SCRATCH]])
+    out = kernel(q, k, v, torch.tensor([0, 1]), positions, 64, 0.125)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    assert torch.equal(out[1, 1], torch.zeros_like(out[1, 1]))
+    assert out[1, 0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [64, 16])
+def test_a_rows_output_is_bit_identical_whatever_span_or_neighbours(
+    kernel: DecodeKernel, dtype: torch.dtype, dim: int
+) -> None:
+    k, v = random_cache(9, 3, dim, dtype, seed=11)
+    generator = torch.Generator().manual_seed(5)
+    mine = torch.randn(1, 1, 9, dim, generator=generator).to(dtype)
+    alone = kernel(mine, k, v, torch.tensor([4]), torch.tensor([[77]]), 96, dim**-0.5)
+    for span, row, batch in [(96, 0, 1), (128, 2, 4), (256, 5, 6), (160, 1, 3)]:
+        q = torch.randn(batch, 1, 9, dim, generator=generator).to(dtype)
+        q[row] = mine[0]
+        slots = torch.randint(0, SLOTS, (batch,), generator=generator)
+        slots[row] = 4
+        positions = torch.randint(0, span, (batch, 1), generator=generator)
+        positions[row] = 77
+        out = kernel(q, k, v, slots, positions, span, dim**-0.5)
+        assert torch.equal(out[row], alone[0])
+
+
+SETTINGS = Settings(
+    model="tiny", device="cpu", max_model_len=512, kv_slots_per_rank=8, decode_batch=4
+)
+
+
+@pytest.fixture(scope="module")
+def loaded() -> LoadedModel:
+    return load_reference_model(SETTINGS)
+
+
+def decode_logits(loaded: LoadedModel, decode_kernel: bool) -> tuple[LaunchRunner, torch.Tensor]:
+    """Prefill four prompts, then one decode launch of all four rows."""
+    shapes = launch_shapes(8, SETTINGS.max_kv_len, SETTINGS.prefill_chunk, 4)
+    runner = LaunchRunner(loaded.model, shapes, decode_kernel=decode_kernel)
+    rng = random.Random(3)
+    prompts = [random_prompt(rng, n, loaded.config.vocab_size) for n in (9, 60, 140, 3)]
+    for slot, prompt in enumerate(prompts):
+        for start in range(0, len(prompt), runner.prefill_chunk):
+            runner.prefill(slot, prompt[start : start + runner.prefill_chunk], start)
+    positions = [len(p) for p in prompts]
+    return runner, runner.decode([0, 1, 2, 3], [5, 6, 7, 8], positions)
+
+
+def test_cpu_decode_launches_run_the_kernel_and_agree_with_batched_products(
+    kernel: DecodeKernel, loaded: LoadedModel
+) -> None:
+    with_kernel, ours = decode_logits(loaded, decode_kernel=True)
+    without, theirs = decode_logits(loaded, decode_kernel=False)
+    assert with_kernel.cache.decode_kernel is not None
+    assert with_kernel.backend.name == "eager+decode-kernel"
+    assert without.cache.decode_kernel is None
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+@pytest.mark.parametrize("compiler", ["/nonexistent/cc", "/bin/false"])
+def test_without_a_working_compiler_launches_fall_back_to_batched_products(
+    loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch, compiler: str
+) -> None:
+    monkeypatch.setenv("CC", compiler)
+    assert load_decode_kernel() is None
+    runner, logits = decode_logits(loaded, decode_kernel=True)
+    assert runner.cache.decode_kernel is None
+    assert runner.backend.name == "eager"
+    assert torch.isfinite(logits).all()
+
+
+def test_auto_dtype_is_bfloat16_on_a_cpu_with_native_bfloat16() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    native, plain = frozenset({"avx512f", "avx512_bf16"}), frozenset({"avx2", "avx512f"})
+    assert auto_dtype(torch.float32, cpu, native) == torch.bfloat16
+    assert auto_dtype(torch.float32, cpu, frozenset({"amx_bf16"})) == torch.bfloat16
+    assert auto_dtype(torch.float32, cpu, plain) == torch.float32
+    assert auto_dtype(torch.float16, cpu, plain) == torch.bfloat16
+    assert auto_dtype(torch.bfloat16, cpu, plain) == torch.bfloat16
+    assert auto_dtype(torch.float32, cuda, native) == torch.float32
+    expected = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    assert load_reference_model(SETTINGS.model_copy(update={"dtype": "auto"})).dtype == expected
+
+
+@pytest.fixture(scope="module")
+def loaded_bf16() -> LoadedModel:
+    return load_reference_model(SETTINGS.model_copy(update={"dtype": "bfloat16"}))
+
+
+def test_bfloat16_decode_rows_are_bit_identical_alone_or_together(
+    kernel: DecodeKernel, loaded_bf16: LoadedModel
+) -> None:
+    runner, together = decode_logits(loaded_bf16, decode_kernel=True)
+    assert runner.cache.k[0].dtype == torch.bfloat16
+    rng = random.Random(3)
+    prompts = [random_prompt(rng, n, loaded_bf16.config.vocab_size) for n in (9, 60, 140, 3)]
+    shapes = launch_shapes(8, SETTINGS.max_kv_len, SETTINGS.prefill_chunk, 4)
+    for slot, prompt in enumerate(prompts):
+        alone = LaunchRunner(loaded_bf16.model, shapes)
+        for start in range(0, len(prompt), alone.prefill_chunk):
+            alone.prefill(slot, prompt[start : start + alone.prefill_chunk], start)
+        logits = alone.decode([slot], [5 + slot], [len(prompt)])
+        assert torch.equal(logits[0], together[slot])
+
+
+def test_bfloat16_decode_logits_are_bit_identical_whatever_span_or_layout(
+    kernel: DecodeKernel, loaded_bf16: LoadedModel
+) -> None:
+    shapes = launch_shapes(8, SETTINGS.max_kv_len, SETTINGS.prefill_chunk, 4)
+    runner = LaunchRunner(loaded_bf16.model, shapes)
+    prompt = random_prompt(random.Random(0), 100, loaded_bf16.config.vocab_size)
+    for start in range(0, len(prompt), runner.prefill_chunk):
+        runner.prefill(2, prompt[start : start + runner.prefill_chunk], start)
+    scratch = runner.cache.scratch_position
+    outputs = []
+    for span, window in [(128, 2), (256, 2), (512, 0), (512, None)]:
+        slots = list(range(window, window + 4)) if window is not None else [2, 0, 0, 0]
+        row = 2 - window if window is not None else 0
+        ids, positions = [[0]] * 4, [[scratch]] * 4
+        ids[row], positions[row] = [7], [len(prompt)]
+        launch = LaunchInputs(
+            torch.tensor(ids),
+            torch.tensor(positions),
+            torch.tensor(slots),
+            torch.zeros(4, 1, dtype=torch.long),
+            span,
+            window,
+        )
+        outputs.append(loaded_bf16.model(launch, runner.cache).logits[row, 0])
+    for other in outputs[1:]:
+        assert torch.equal(outputs[0], other)
