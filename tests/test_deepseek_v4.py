@@ -65,7 +65,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def lone(path: Path, prompts: list[list[int]], max_tokens: int) -> list[ReferenceCompletion]:
     """Each prompt run alone on one rank holding every expert."""
-    loaded = load_model(path, "auto", torch.device("cpu"), MAX_MODEL_LEN)
+    loaded = load_model(path, "float32", torch.device("cpu"), MAX_MODEL_LEN)
     runner = LaunchRunner(loaded.model, launch_shapes(1, MAX_MODEL_LEN, 128, 1))
     return [generate_alone(runner, p, max_tokens, set(), MAX_MODEL_LEN) for p in prompts]
 
@@ -93,7 +93,7 @@ def test_chunked_prefill_and_decode_give_the_tokens_of_transformers_generate(
 def test_indexer_ties_go_to_the_lowest_entries_whatever_the_span(
     checkpoints: dict[str, Path],
 ) -> None:
-    loaded = load_model(checkpoints["small"], "auto", torch.device("cpu"), MAX_MODEL_LEN)
+    loaded = load_model(checkpoints["small"], "float32", torch.device("cpu"), MAX_MODEL_LEN)
     model = loaded.model
     assert isinstance(model, DeepseekV4CausalLM)
     indexers = [
@@ -135,7 +135,7 @@ def test_indexer_ties_go_to_the_lowest_entries_whatever_the_span(
 
 
 def test_per_slot_state_is_the_size_its_formula_says(checkpoints: dict[str, Path]) -> None:
-    loaded = load_model(checkpoints["real"], "auto", torch.device("cpu"), MAX_MODEL_LEN)
+    loaded = load_model(checkpoints["real"], "float32", torch.device("cpu"), MAX_MODEL_LEN)
     config = loaded.model.config
     state = loaded.model.new_cache(3, MAX_MODEL_LEN)
     assert isinstance(state, DeepseekV4State)
@@ -218,7 +218,7 @@ def test_killing_an_expert_parallel_rank_mid_decode_loses_nothing_and_changes_no
 def test_a_rejected_draft_at_a_window_boundary_leaves_nothing_a_later_launch_reads(
     checkpoints: dict[str, Path],
 ) -> None:
-    loaded = load_model(checkpoints["small"], "auto", torch.device("cpu"), MAX_MODEL_LEN)
+    loaded = load_model(checkpoints["small"], "float32", torch.device("cpu"), MAX_MODEL_LEN)
     model = loaded.model
     runner = LaunchRunner(model, launch_shapes(2, MAX_MODEL_LEN, 128, 1))
     rng = random.Random(25)
@@ -283,7 +283,7 @@ def test_fp8_attention_weights_load_as_their_dequantized_blocks(tmp_path: Path) 
     make.build(path, "small", fp8=True)
     stored = load_file(str(path / "model.safetensors"))
     weights = dict(
-        load_model(path, "auto", torch.device("cpu"), MAX_MODEL_LEN).model.named_parameters()
+        load_model(path, "float32", torch.device("cpu"), MAX_MODEL_LEN).model.named_parameters()
     )
     quantized = [k for k, v in stored.items() if v.dtype == torch.float8_e4m3fn]
     assert len(quantized) >= 4 * 5 and all(".attn." in k for k in quantized)
@@ -311,4 +311,4 @@ def test_fp4_experts_fail_at_start_naming_the_format(
     }
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedModel, match="experts stored as 'fp4'"):
-        load_model(path, "auto", torch.device("cpu"), MAX_MODEL_LEN)
+        load_model(path, "float32", torch.device("cpu"), MAX_MODEL_LEN)
