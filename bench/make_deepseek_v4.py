@@ -23,6 +23,7 @@ import json
 import random
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +101,7 @@ def build(
     seed: int = 0,
     bench_size: bool = False,
     fp8: bool = False,
+    fit: Fit | None = None,
 ) -> torch.nn.Module:
     """Write the checkpoint to `out`; returns the `transformers` model (float32)."""
     torch.manual_seed(seed)
@@ -113,7 +115,8 @@ def build(
         state = load_file(str(out / "model.safetensors"))
         state.update(mtp_module(model.config, seed))
         save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-        fit_mtp(out, seed=seed)
+        accuracy = fit_mtp(out, seed=seed, fit=fit)
+        print(f"MTP draft accuracy on its fitting data: {accuracy:.1%}")
     if fp8:
         quantize_attention(out)
     return model
@@ -187,65 +190,102 @@ def mtp_module(main: Any, seed: int) -> dict[str, torch.Tensor]:
     return state
 
 
-def fit_mtp(out: Path, steps: int = FIT_STEPS, seed: int = 0) -> float:
+@dataclass(frozen=True)
+class Fit:
+    """How the MTP module is fitted: on `sequences` greedy continuations of `length` tokens
+    from random prompts of `prompts` tokens, `steps` Adam steps over minibatches of `batch`
+    sequences (all of them when `batch` is 0)."""
+
+    sequences: int = FIT_SEQUENCES
+    length: int = FIT_LENGTH
+    prompts: tuple[int, int] = FIT_PROMPTS
+    steps: int = FIT_STEPS
+    batch: int = 0
+    lr: float = 3e-3
+
+
+def fit_mtp(out: Path, steps: int = FIT_STEPS, seed: int = 0, fit: Fit | None = None) -> float:
     """Train the checkpoint's MTP module to draft the main model's own greedy continuations,
     write it back; returns the draft accuracy on its training data."""
-    loaded = load_model(out, "float32", torch.device("cpu"), FIT_LENGTH, mtp=True)
+    fit = fit or Fit(steps=steps)
+    length = fit.length
+    loaded = load_model(out, "float32", torch.device("cpu"), length, mtp=True)
     model = loaded.model
     assert isinstance(model, DeepseekV4CausalLM) and model.mtp is not None
-    sequences, hidden, generated = greedy_data(model, seed)
+    sequences, hidden, generated = greedy_data(model, seed, fit)
     for name, param in model.named_parameters():
         param.requires_grad_(name.startswith("mtp."))
     count = len(sequences)
-    positions = torch.arange(FIT_LENGTH).expand(count, FIT_LENGTH)
-    targets = torch.arange(FIT_LENGTH - 2).expand(count, -1)
+    batch = fit.batch or count
     next_ids = torch.roll(sequences, -1, dims=1)
-    launch = LaunchInputs(next_ids, positions, torch.arange(count), targets, FIT_LENGTH, 0)
-    optimizer = torch.optim.Adam(model.mtp.parameters(), lr=3e-3)
-    wanted = sequences[:, 2:][generated]
+    wanted = sequences[:, 2:]
+    optimizer = torch.optim.Adam(model.mtp.parameters(), lr=fit.lr)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, max(1, fit.steps))
+    order = torch.Generator().manual_seed(seed)
+    every = torch.arange(count)
+
+    def logits_of(rows: torch.Tensor) -> torch.Tensor:
+        n = len(rows)
+        positions = torch.arange(length).expand(n, length)
+        targets = torch.arange(length - 2).expand(n, -1)
+        launch = LaunchInputs(next_ids[rows], positions, torch.arange(n), targets, length, 0)
+        return model.draft_logits(launch, hidden[rows], model.new_cache(n, length))
+
     with torch.enable_grad():
-        for _ in range(steps):
-            logits = model.draft_logits(launch, hidden, model.new_cache(count, FIT_LENGTH))
-            loss = torch.nn.functional.cross_entropy(logits[generated], wanted)
+        for _ in range(fit.steps):
+            rows = torch.randperm(count, generator=order)[:batch] if fit.batch else every
+            logits = logits_of(rows)
+            loss = torch.nn.functional.cross_entropy(
+                logits[generated[rows]], wanted[rows][generated[rows]]
+            )
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
+            if fit.batch:
+                schedule.step()
+    right = total = 0
     with torch.no_grad():
-        logits = model.draft_logits(launch, hidden, model.new_cache(count, FIT_LENGTH))
-        accuracy = float((logits[generated].argmax(-1) == wanted).float().mean())
+        for start in range(0, count, batch):
+            rows = torch.arange(start, min(count, start + batch))
+            picked = logits_of(rows)[generated[rows]].argmax(-1)
+            right += int((picked == wanted[rows][generated[rows]]).sum())
+            total += len(picked)
     state = load_file(str(out / "model.safetensors"))
     for name, tensor in model.mtp.state_dict().items():
         state[f"mtp.{name}"] = tensor.detach().clone().contiguous()
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return accuracy
+    return right / max(1, total)
 
 
 def greedy_data(
-    model: DeepseekV4CausalLM, seed: int
+    model: DeepseekV4CausalLM, seed: int, fit: Fit | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Greedy continuations of random prompts [N, FIT_LENGTH], the main model's last-layer
+    """Greedy continuations of random prompts [N, length], the main model's last-layer
     streams at each position, and which targets (token i+2 of each position i) the model
     generated rather than was given."""
+    fit = fit or Fit()
     rng = random.Random(seed)
-    shapes = LaunchShapes(FIT_SEQUENCES, FIT_LENGTH, 1, FIT_SEQUENCES, FIT_LENGTH, False)
+    count, length = fit.sequences, fit.length
+    rows = min(count, FIT_SEQUENCES)  # decode rows per launch
+    shapes = LaunchShapes(rows, length, 1, count, length, False)
     runner = LaunchRunner(model, shapes)
-    lengths = [rng.randint(*FIT_PROMPTS) for _ in range(FIT_SEQUENCES)]
+    lengths = [rng.randint(*fit.prompts) for _ in range(count)]
     tokens = [[rng.randrange(2, VOCAB_SIZE) for _ in range(n)] for n in lengths]
     last = [int(runner.prefill(slot, p, 0).argmax()) for slot, p in enumerate(tokens)]
     while True:
-        live = [s for s in range(FIT_SEQUENCES) if len(tokens[s]) < FIT_LENGTH]
+        live = [s for s in range(count) if len(tokens[s]) < length]
         for s in live:
             tokens[s].append(last[s])
-        live = [s for s in live if len(tokens[s]) < FIT_LENGTH]
+        live = [s for s in live if len(tokens[s]) < length]
         if not live:
             break
-        for group in (live[i : i + FIT_SEQUENCES] for i in range(0, len(live), FIT_SEQUENCES)):
+        for group in (live[i : i + rows] for i in range(0, len(live), rows)):
             positions = [len(tokens[s]) - 1 for s in group]
             picked = runner.decode(group, [last[s] for s in group], positions).argmax(-1)
             for s, token in zip(group, picked.tolist()):
                 last[s] = token
     hidden = torch.cat([runner.prefill_launch(s, seq, 0).hidden for s, seq in enumerate(tokens)])
-    targets = torch.arange(2, FIT_LENGTH)
+    targets = torch.arange(2, length)
     generated = targets[None, :] >= torch.tensor(lengths)[:, None]
     return torch.tensor(tokens), hidden.clone(), generated
 
@@ -259,8 +299,23 @@ def main() -> None:
     parser.add_argument("--fp8", action="store_true", help="attention weights as FP8 blocks")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--bench", action="store_true", help="a few million parameters")
+    fitting = parser.add_argument_group("MTP fitting (with --mtp; defaults: the tests' fit)")
+    fitting.add_argument("--fit-sequences", type=int, default=FIT_SEQUENCES)
+    fitting.add_argument("--fit-length", type=int, default=FIT_LENGTH, help="tokens a sequence")
+    fitting.add_argument("--fit-prompts", type=int, nargs=2, default=FIT_PROMPTS)
+    fitting.add_argument("--fit-steps", type=int, default=FIT_STEPS)
+    fitting.add_argument("--fit-batch", type=int, default=0, help="sequences a step (0: all)")
+    fitting.add_argument("--fit-lr", type=float, default=3e-3)
     args = parser.parse_args()
-    build(args.out, args.windows, args.mtp, args.seed, bench_size=args.bench, fp8=args.fp8)
+    fit = Fit(
+        args.fit_sequences,
+        args.fit_length,
+        (args.fit_prompts[0], args.fit_prompts[1]),
+        args.fit_steps,
+        args.fit_batch,
+        args.fit_lr,
+    )
+    build(args.out, args.windows, args.mtp, args.seed, args.bench, args.fp8, fit)
     print(args.out)
 
 
