@@ -23,17 +23,14 @@ import random
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar, cast
-
-import redis
+from typing import cast
 
 from npu_pool.embedded import EmbeddedRedis
 from npu_pool.launcher import PoolProcesses
 from npu_pool.replicated import SentinelDeployment
 from producer.client import Client
-from producer.requests import NotReplicated
+from producer.requests import retried
 from producer.status import pool_status, queue_depths
 from schemas.codec import decode
 from schemas.config import Settings
@@ -42,21 +39,6 @@ from schemas.keys import Keys
 from schemas.messages import ResultChunk
 
 MAX_EXPIRY_WAIT_S = 600
-RETRYABLE = (redis.ConnectionError, redis.TimeoutError, NotReplicated)
-T = TypeVar("T")
-
-
-def retried(call: Callable[[], T], timeout_s: float = 120.0) -> T:
-    """`call()` until it answers, as a producer retries a retryable error (same arguments,
-    so the same request id)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            return call()
-        except RETRYABLE:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
 
 
 class Failovers:

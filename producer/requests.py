@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import re
+import time
 import uuid
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import redis
 from pydantic import ValidationError
@@ -75,6 +76,24 @@ class NotReplicated(redis.ConnectionError):
         self.request_id = request_id
         self.acked = acked
         self.wanted = wanted
+
+
+# What a producer retries with the same arguments (NotReplicated is a ConnectionError).
+RETRYABLE = (redis.ConnectionError, redis.TimeoutError)
+T = TypeVar("T")
+
+
+def retried(call: Callable[[], T], timeout_s: float = 60.0) -> T:
+    """`call()` until it answers, retrying a retryable error for up to `timeout_s`: with
+    the same arguments, so the same request id (an id is run at most once)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return call()
+        except RETRYABLE:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
 
 
 class RequestTooLarge(ValueError):

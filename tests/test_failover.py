@@ -9,7 +9,6 @@ import functools
 import random
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ import redis
 from batcher.intake import SETTLE_SCRIPT
 from npu_pool.replicated import SERVICE, SentinelDeployment
 from producer.client import Client
-from producer.requests import NotReplicated
+from producer.requests import RETRYABLE, NotReplicated, retried
 from schemas.config import Settings
 from schemas.connection import connect, replicas_to_wait, sentinel_address
 from schemas.keys import GROUP, Keys
@@ -34,7 +33,6 @@ from tests.helpers import (
 )
 from tests.reference import first_divergence, generate_alone
 
-RETRYABLE = (redis.ConnectionError, redis.TimeoutError, NotReplicated)
 KEYS = Keys()
 
 
@@ -45,19 +43,6 @@ def sentinels(tmp_path: Path):
     deployment.start()
     yield deployment
     deployment.stop()
-
-
-def retried(call: Callable[[], object], what: str, timeout_s: float = 60.0) -> object:
-    """`call()` until it answers: a producer's retry of a retryable error (same arguments,
-    so the same request id)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            return call()
-        except RETRYABLE:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
 
 
 class Reader(threading.Thread):
@@ -95,7 +80,7 @@ def published(client: Client, ids: list[str]) -> int:
             pipe.xlen(KEYS.result(request_id))
         return sum(pipe.execute())
 
-    return int(retried(count, "xlen"))  # type: ignore[call-overload]
+    return int(retried(count))  # type: ignore[call-overload]
 
 
 @pytest.mark.parametrize("failure", ["kill", "pause"])
@@ -137,7 +122,7 @@ def test_a_primary_lost_twice_loses_nothing_and_doubles_nothing(
                 ignore_eos=True,
                 request_id=request_id,
             )
-            retried(submit, "submit")
+            retried(submit)
             submitted.append(request_id)
             reader = Reader(Client(sentinels.url), request_id)
             reader.start()
@@ -159,7 +144,7 @@ def test_a_primary_lost_twice_loses_nothing_and_doubles_nothing(
 
     runner = reference_runner(loaded, pool.settings)
     for (request_id, prompt, max_tokens), reader in zip(cases, readers):
-        chunks = retried(lambda r=request_id: list(client.stream(r, timeout_s=180)), "stream")  # type: ignore[arg-type]
+        chunks = retried(lambda r=request_id: list(client.stream(r, timeout_s=180)))  # type: ignore[arg-type]
         tokens = check_stream(chunks)  # type: ignore[arg-type]  # no gap, no duplicate
         want = generate_alone(runner, prompt, max_tokens, set(), pool.settings.max_model_len)
         problem = first_divergence(tokens, want, TIE_TOLERANCE)
@@ -172,11 +157,11 @@ def test_a_primary_lost_twice_loses_nothing_and_doubles_nothing(
         ]
         assert not differ, (request_id, differ[:2])
     wait_until(
-        lambda: retried(lambda: client.redis.xlen(KEYS.requests), "xlen") == 0,
+        lambda: retried(lambda: client.redis.xlen(KEYS.requests)) == 0,
         timeout_s=60,
         what="every entry settled",
     )
-    dead = retried(lambda: client.redis.xrange(KEYS.dead), "xrange")
+    dead = retried(lambda: client.redis.xrange(KEYS.dead))
     for _, fields in dead:  # type: ignore[union-attr]
         # only a producer's retry of a call whose answer was lost: the original answered
         assert b"duplicates a request in progress" in fields[b"reason"], fields
@@ -232,7 +217,7 @@ def test_a_client_leaves_a_server_that_is_no_longer_the_primary(
     # after a promotion, the server this thread wrote to is no longer the primary
     redis.Redis(port=sentinels.sentinel_ports[0]).execute_command("SENTINEL FAILOVER", SERVICE)
     wait_until(lambda: not still_primary(client), timeout_s=30, what="the promotion seen")
-    wait_until(lambda: retried(lambda: client.set("k", "4"), "set"), what="a write")
+    wait_until(lambda: retried(lambda: client.set("k", "4")), what="a write")
     assert still_primary(client)
     assert client.connection_pool.connection_kwargs["connection_pool"].master_address[1] != old
 
