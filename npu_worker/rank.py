@@ -23,8 +23,7 @@ from prometheus_client import CollectorRegistry
 from npu_worker.engine import RankEngine
 from npu_worker.expert_parallel import LOOPBACK, ExpertParallel, Rendezvous
 from npu_worker.models.config import UnsupportedModel
-from npu_worker.models.deepseek_v3 import DeepseekV3CausalLM
-from npu_worker.models.deepseek_v4 import DeepseekV4CausalLM
+from npu_worker.models.moe import ExpertModel
 from npu_worker.models.presets import load_for
 from npu_worker.output.process import OutputProcess
 from npu_worker.plans import PlanReader
@@ -192,9 +191,7 @@ class Worker:
             },
         )
         runner.warm_up(progress)  # experts stay local until the first epoch forms the group
-        if settings.expert_parallel and isinstance(
-            loaded.model, DeepseekV3CausalLM | DeepseekV4CausalLM
-        ):
+        if settings.expert_parallel and isinstance(loaded.model, ExpertModel):
             rendezvous = Rendezvous(
                 self.redis,
                 self.keys,

@@ -34,7 +34,14 @@ from npu_worker.models.layers import (
     rotate_half,
     rotate_interleaved,
 )
-from npu_worker.models.moe import ExpertGroup, GatedMLP, LocalExperts, routed_output
+from npu_worker.models.moe import (
+    ExpertBlock,
+    ExpertGroup,
+    ExpertModel,
+    GatedMLP,
+    LocalExperts,
+    routed_output,
+)
 
 
 class LatentAttention(nn.Module):
@@ -132,7 +139,7 @@ class Router(nn.Module):
         return torch.zeros_like(scores).scatter_(1, top, weights)
 
 
-class MoE(nn.Module):
+class MoE(ExpertBlock):
     """Routed experts (this rank's share, `mlp.experts.{e}.*`) plus the shared experts."""
 
     def __init__(self, config: DeepseekV3Config, share: range) -> None:
@@ -212,7 +219,7 @@ class MTPLayer(nn.Module):
         self.shared_head = SharedHead(config)
 
 
-class DeepseekV3CausalLM(LaunchModel):
+class DeepseekV3CausalLM(LaunchModel, ExpertModel):
     """Decoder + LM head (+ the MTP layer); each call runs one fixed-shape launch."""
 
     def __init__(
@@ -239,11 +246,6 @@ class DeepseekV3CausalLM(LaunchModel):
     def moe_layers(self) -> list[MoE]:
         """Every MoE block, the MTP layer's included."""
         return [m for m in self.modules() if isinstance(m, MoE)]
-
-    def use_experts(self, group: ExpertGroup) -> None:
-        """Split the routed experts over `group` (each rank holds its share)."""
-        for moe in self.moe_layers():
-            moe.group = group
 
     def tie_weights(self) -> None:
         """Share the embedding with the head, for tied checkpoints."""

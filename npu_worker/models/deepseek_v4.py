@@ -23,11 +23,11 @@ import torch
 from torch import nn
 
 from npu_worker.models.deepseek_v4_attention import Launch, Norm
-from npu_worker.models.deepseek_v4_blocks import Block, HyperHead, MoE, hyper_head
+from npu_worker.models.deepseek_v4_blocks import Block, HyperHead, hyper_head
 from npu_worker.models.deepseek_v4_config import DeepseekV4Config, rope_table
 from npu_worker.models.deepseek_v4_state import DeepseekV4State
 from npu_worker.models.launch import KVCache, LaunchInputs, LaunchModel, LaunchOutput
-from npu_worker.models.moe import ExpertGroup
+from npu_worker.models.moe import ExpertModel
 
 FLOAT32_PARTS = ("norm", "attn_sink", "ape", "hc_", "gate.weight", "gate.bias")
 
@@ -57,7 +57,7 @@ class MTPBlock(Block):
         self.hc_head_scale = nn.Parameter(torch.ones(1))
 
 
-class DeepseekV4CausalLM(LaunchModel):
+class DeepseekV4CausalLM(LaunchModel, ExpertModel):
     """Decoder + LM head over per-slot state; each call runs one fixed-shape launch. Its
     prefill launches carry one request each (`packs` False)."""
 
@@ -86,15 +86,6 @@ class DeepseekV4CausalLM(LaunchModel):
     main_sin: torch.Tensor
     compress_cos: torch.Tensor
     compress_sin: torch.Tensor
-
-    def moe_layers(self) -> list[MoE]:
-        """Every MoE block."""
-        return [m for m in self.modules() if isinstance(m, MoE)]
-
-    def use_experts(self, group: ExpertGroup) -> None:
-        """Split the routed experts over `group` (each rank holds its share)."""
-        for moe in self.moe_layers():
-            moe.group = group
 
     def tie_weights(self) -> None:
         """Share the embedding with the head, for tied checkpoints."""

@@ -20,7 +20,7 @@ from torch import nn
 from npu_worker.models.deepseek_v4_attention import Attention, Launch, Norm, unit_rms
 from npu_worker.models.deepseek_v4_config import SLIDING, DeepseekV4Config
 from npu_worker.models.deepseek_v4_state import DeepseekV4State
-from npu_worker.models.moe import ExpertGroup, LocalExperts, routed_output
+from npu_worker.models.moe import ExpertBlock, ExpertGroup, LocalExperts, routed_output
 
 FLOAT32_PARTS = ("norm", "attn_sink", "ape", "hc_", "gate.weight", "gate.bias")
 
@@ -113,7 +113,7 @@ class Router(nn.Module):
         return torch.zeros_like(scores).scatter_add_(1, top, weights)
 
 
-class MoE(nn.Module):
+class MoE(ExpertBlock):
     """Routed experts (this rank's share, `ffn.experts.{e}.*`) plus the shared expert."""
 
     def __init__(self, config: DeepseekV4Config, layer: int, share: range) -> None:

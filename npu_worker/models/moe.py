@@ -60,6 +60,22 @@ class LocalExperts:
         return partial
 
 
+class ExpertBlock(nn.Module):
+    """An MoE block: its routed experts run their collectives in `group`."""
+
+    group: ExpertGroup
+
+
+class ExpertModel(nn.Module):
+    """A model of ExpertBlocks, whose routed experts can be split over ranks."""
+
+    def use_experts(self, group: ExpertGroup) -> None:
+        """Split the routed experts over `group` (each rank holds its share)."""
+        for module in self.modules():
+            if isinstance(module, ExpertBlock):
+                module.group = group
+
+
 def expert_share(num_experts: int, rank: int, size: int) -> range:
     """The experts rank `rank` of `size` holds; ValueError if they do not divide evenly."""
     if num_experts % size:
