@@ -11,7 +11,10 @@ initialises to constants (sinks, `ape`, hyper-connection bases, router biases, `
 are random, so each of them matters to the tokens. With `--mtp` the checkpoint also gets
 an MTP module (`mtp.0.*`: a sliding-window block with scored experts, `e_proj`, `h_proj`,
 `enorm`, `hnorm`, `norm`, `hc_head_*`), which transformers neither builds nor saves, fitted
-to draft the model's own greedy continuations. With `--fp8` the attention projections are
+to draft the model's own greedy continuations; such a checkpoint's embedding is scaled up
+(`MTP_EMBED_SCALE`) so that, as in a language model, the next token often follows from the
+last one and a draft two tokens ahead can be learnt (held-out acceptance about 60%; the
+other 40% of tokens still turn on the layers). With `--fp8` the attention projections are
 stored as float8 e4m3 with 128x128 block scales (`weight_scale_inv`), as DeepSeek releases
 V4's attention weights.
 """
@@ -50,6 +53,9 @@ MLP_LAYERS = ("hash_moe", "moe", "hash_moe", "moe")
 WINDOWS = {"small": (16, 4, 16), "real": (128, 4, 128)}  # sliding window, CSA rate, HCA rate
 # the MTP module is fitted on greedy continuations of random prompts of 4-32 tokens
 FIT_SEQUENCES, FIT_LENGTH, FIT_PROMPTS, FIT_STEPS = 32, 64, (4, 32), 120
+# the embedding's scale in a checkpoint with an MTP module: 10 gives a held-out draft acceptance
+# of about 60% (3: 5%, the module memorises its fitting data; 30: 93%, the layers barely matter)
+MTP_EMBED_SCALE = 10.0
 BENCH_SIZE = {"hidden_size": 256, "head_dim": 64, "q_lora_rank": 96, "moe_intermediate_size": 128}
 
 
@@ -107,7 +113,7 @@ def build(
     torch.manual_seed(seed)
     sizes: dict[str, Any] = dict(BENCH_SIZE) if bench_size else {}
     model = transformers.DeepseekV4ForCausalLM(config(windows, **sizes)).eval()
-    randomise(model, model.config.n_routed_experts)
+    randomise(model, model.config.n_routed_experts, MTP_EMBED_SCALE if mtp else 1.0)
     shutil.rmtree(out, ignore_errors=True)
     model.save_pretrained(out)
     shutil.copy(ensure_tiny_model() / "tokenizer.json", out / "tokenizer.json")
@@ -139,8 +145,9 @@ def quantize_attention(out: Path) -> None:
     (out / "config.json").write_text(json.dumps(raw, indent=2))
 
 
-def randomise(model: torch.nn.Module, experts: int) -> None:
-    """Scale the projections up and draw the parameters transformers sets to constants."""
+def randomise(model: torch.nn.Module, experts: int, embed_scale: float = 1.0) -> None:
+    """Scale the projections up (the embedding `embed_scale` times more) and draw the
+    parameters transformers sets to constants."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             leaf = name.split(".")[-1]
@@ -155,6 +162,7 @@ def randomise(model: torch.nn.Module, experts: int) -> None:
             table = getattr(module, "tid2eid", None)
             if isinstance(table, torch.Tensor):
                 table.copy_(torch.stack([torch.randperm(experts)[: table.shape[1]] for _ in table]))
+        model.get_input_embeddings().weight.mul_(embed_scale)
 
 
 def mtp_module(main: Any, seed: int) -> dict[str, torch.Tensor]:

@@ -5,7 +5,7 @@ batch size 1), with small windows and with V4-Flash's 128/4/128; the indexer's t
 the lowest entry whatever the launch; per-slot state is the size its formula says; through
 a real pool, two expert-parallel ranks serve 48 concurrent requests with the tokens each
 gets alone on one rank, and a rank killed mid-decode changes no token; with the MTP module
-greedy tokens are those without it, and a rejected draft at a window boundary leaves
+greedy tokens are those without it and sampled ones follow the same distribution, and a rejected draft at a window boundary leaves
 nothing a later launch reads; FP8 attention weights load dequantized, FP4 experts fail at
 start naming their format."""
 
@@ -276,6 +276,17 @@ def test_greedy_with_the_mtp_module_equals_greedy_without(
     counts = mtp()
     print("DeepSeek-V4, its fitted MTP module:", counts)
     assert 0 < counts["accepted"] < counts["proposed"]  # both the accept and reject paths ran
+
+
+def test_sampled_tokens_with_the_mtp_module_follow_the_same_distribution(
+    checkpoints: dict[str, Path],
+) -> None:
+    from tests.test_mtp import chi_square_ok, sample_paths
+
+    path = checkpoints["small"]
+    plain = load_model(path, "float32", torch.device("cpu"), MAX_MODEL_LEN)
+    drafted = load_model(path, "float32", torch.device("cpu"), MAX_MODEL_LEN, mtp=True)
+    assert chi_square_ok(sample_paths(plain, 800, 0), sample_paths(drafted, 800, 100_000))
 
 
 def test_fp8_attention_weights_load_as_their_dequantized_blocks(tmp_path: Path) -> None:
