@@ -5,9 +5,9 @@ batch size 1), with small windows and with V4-Flash's 128/4/128; the indexer's t
 the lowest entry whatever the launch; per-slot state is the size its formula says; through
 a real pool, two expert-parallel ranks serve 48 concurrent requests with the tokens each
 gets alone on one rank, and a rank killed mid-decode changes no token; with the MTP module
-greedy tokens are those without it and sampled ones follow the same distribution, and a rejected draft at a window boundary leaves
-nothing a later launch reads; FP8 attention weights load dequantized, FP4 experts fail at
-start naming their format."""
+greedy tokens are those without it and sampled ones follow the same distribution, and a
+rejected draft at a window boundary leaves nothing a later launch reads; FP8 attention
+weights load dequantized, FP4 experts fail at start naming their format."""
 
 from __future__ import annotations
 
