@@ -162,9 +162,7 @@ def randomise(model: torch.nn.Module, experts: int, embed_scale: float = 1.0) ->
             table = getattr(module, "tid2eid", None)
             if isinstance(table, torch.Tensor):
                 table.copy_(torch.stack([torch.randperm(experts)[: table.shape[1]] for _ in table]))
-        embedding = model.get_input_embeddings()
-        assert isinstance(embedding, torch.nn.Embedding)
-        embedding.weight.mul_(embed_scale)
+        dict(model.named_parameters())["model.embed_tokens.weight"].mul_(embed_scale)
 
 
 def mtp_module(main: Any, seed: int) -> dict[str, torch.Tensor]:
