@@ -266,16 +266,22 @@ def quantized(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def fp8_blocks(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A weight [out, in] as float8 e4m3 and its per-128x128-block scales."""
+def fp8_blocks(
+    tensor: torch.Tensor, power_of_two: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight [out, in] as float8 e4m3 and its per-128x128-block scales: float32, or with
+    `power_of_two` the next power of two up, stored as float8 e8m0 (`scale_fmt: ue8m0`)."""
     rows, cols = tensor.shape
     blocks_r, blocks_c = -(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK)
     padded = torch.zeros(blocks_r * FP8_BLOCK, blocks_c * FP8_BLOCK)
     padded[:rows, :cols] = tensor
     tiles = padded.view(blocks_r, FP8_BLOCK, blocks_c, FP8_BLOCK)
     scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
+    if power_of_two:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
     scaled = (tiles / scale[:, None, :, None]).view_as(padded)[:rows, :cols]
-    return scaled.to(torch.float8_e4m3fn), scale.float()
+    stored = scale.to(torch.float8_e8m0fnu) if power_of_two else scale.float()
+    return scaled.to(torch.float8_e4m3fn), stored
 
 
 def main() -> None:

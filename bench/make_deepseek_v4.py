@@ -1,7 +1,8 @@
 """A small random DeepSeek-V4 checkpoint written by `transformers` (a test and bench
 dependency), with the tiny model's byte-level tokenizer, for the tests and `npu-pool bench`:
 
-    python -m bench.make_deepseek_v4 DIR [--windows small|real] [--bench]
+    python -m bench.make_deepseek_v4 DIR [--windows small|real] [--mtp] [--fp8] [--release]
+                                         [--bench]
 
 Every layer type is present (sliding, CSA, HCA) and both MoE kinds (hash-routed first, then
 scored). `--windows small` uses a 16-token window and compress rates 4/16, so short prompts
@@ -16,7 +17,10 @@ to draft the model's own greedy continuations; such a checkpoint's embedding is 
 last one and a draft two tokens ahead can be learnt (held-out acceptance about 60%; the
 other 40% of tokens still turn on the layers). With `--fp8` the attention projections are
 stored as float8 e4m3 with 128x128 block scales (`weight_scale_inv`), as DeepSeek releases
-V4's attention weights.
+V4's attention weights. With `--release` the checkpoint is written in DeepSeek's own
+release layout: bare names (`embed.`, `layers.`, `hc_head_*`), a config in the release's
+terms (`compress_ratios`, `num_hash_layers`, flat rope keys) and, with `--fp8`, UE8M0 scales
+beside each FP8 weight as `X.scale`.
 """
 
 from __future__ import annotations
@@ -50,16 +54,18 @@ LAYERS = (
     "compressed_sparse_attention",
 )
 MLP_LAYERS = ("hash_moe", "moe", "hash_moe", "moe")
+HASH_FIRST = ("hash_moe", "hash_moe", "moe", "moe")  # as DeepSeek's release counts them
 WINDOWS = {"small": (16, 4, 16), "real": (128, 4, 128)}  # sliding window, CSA rate, HCA rate
 # the MTP module is fitted on greedy continuations of random prompts of 4-32 tokens
 FIT_SEQUENCES, FIT_LENGTH, FIT_PROMPTS, FIT_STEPS = 32, 64, (4, 32), 120
 # the embedding's scale in a checkpoint with an MTP module: 10 gives a held-out draft acceptance
 # of about 60% (3: 5%, the module memorises its fitting data; 30: 93%, the layers barely matter)
 MTP_EMBED_SCALE = 10.0
+YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow")
 BENCH_SIZE = {"hidden_size": 256, "head_dim": 64, "q_lora_rank": 96, "moe_intermediate_size": 128}
 
 
-def config(windows: str = "small", **extra: Any) -> Any:
+def config(windows: str = "small", mlp_layers: tuple[str, ...] = MLP_LAYERS, **extra: Any) -> Any:
     """The checkpoint's `DeepseekV4Config`."""
     window, csa, hca = WINDOWS[windows]
     values: dict[str, Any] = {
@@ -77,7 +83,7 @@ def config(windows: str = "small", **extra: Any) -> Any:
         "num_experts_per_tok": 2,
         "routed_scaling_factor": 1.5,
         "layer_types": list(LAYERS),
-        "mlp_layer_types": list(MLP_LAYERS),
+        "mlp_layer_types": list(mlp_layers),
         "compress_rates": {"compressed_sparse_attention": csa, "heavily_compressed_attention": hca},
         "sliding_window": window,
         "index_n_heads": 16,
@@ -108,11 +114,16 @@ def build(
     bench_size: bool = False,
     fp8: bool = False,
     fit: Fit | None = None,
+    mlp_layers: tuple[str, ...] = MLP_LAYERS,
+    release: bool = False,
 ) -> torch.nn.Module:
-    """Write the checkpoint to `out`; returns the `transformers` model (float32)."""
+    """Write the checkpoint to `out` (with `release`, in DeepSeek's release layout, its
+    hash-routed layers first); returns the `transformers` model (float32)."""
     torch.manual_seed(seed)
     sizes: dict[str, Any] = dict(BENCH_SIZE) if bench_size else {}
-    model = transformers.DeepseekV4ForCausalLM(config(windows, **sizes)).eval()
+    if release:
+        mlp_layers = HASH_FIRST
+    model = transformers.DeepseekV4ForCausalLM(config(windows, mlp_layers, **sizes)).eval()
     randomise(model, model.config.n_routed_experts, MTP_EMBED_SCALE if mtp else 1.0)
     shutil.rmtree(out, ignore_errors=True)
     model.save_pretrained(out)
@@ -123,9 +134,67 @@ def build(
         save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
         accuracy = fit_mtp(out, seed=seed, fit=fit)
         print(f"MTP draft accuracy on its fitting data: {accuracy:.1%}")
-    if fp8:
+    if release:
+        release_layout(out, out, fp8)
+    elif fp8:
         quantize_attention(out)
     return model
+
+
+def release_layout(src: Path, out: Path, fp8: bool = False) -> None:
+    """Write the checkpoint at `src` to `out` as DeepSeek releases V4: bare tensor names
+    (`embed.`, `layers.`, `norm.`, `head.`, `hc_head_*`), a config in the release's terms
+    (`compress_ratios` with the MTP block's trailing 0, `num_hash_layers`,
+    `qk_rope_head_dim`, flat `rope_theta` / `compress_rope_theta` / `rope_scaling`) and,
+    with `fp8`, the attention projections as float8 e4m3 with power-of-two block scales
+    beside them as `X.scale` (float8 e8m0, `scale_fmt: ue8m0`). The hash-routed layers
+    must come first, as `num_hash_layers` counts them."""
+    raw = json.loads((src / "config.json").read_text())
+    kinds = raw.pop("layer_types")
+    rates = raw.pop("compress_rates")
+    mlp = raw.pop("mlp_layer_types")
+    hashed = mlp.count("hash_moe")
+    if mlp != ["hash_moe"] * hashed + ["moe"] * (len(mlp) - hashed):
+        raise ValueError(f"{src}: hash-routed layers {mlp} do not come first")
+    rope = raw.pop("rope_parameters")
+    raw.pop("partial_rotary_factor", None)
+    compress = rope["compress"]
+    raw |= {
+        "compress_ratios": [rates.get(k, 0) for k in kinds] + [0] * raw["num_nextn_predict_layers"],
+        "num_hash_layers": hashed,
+        "rope_theta": rope["main"]["rope_theta"],
+        "compress_rope_theta": compress["rope_theta"],
+        "rope_scaling": {
+            "type": "yarn",
+            **{k: compress[k] for k in YARN_KEYS},
+        },
+    }
+    state = {release_name(k): v for k, v in load_file(str(src / "model.safetensors")).items()}
+    if fp8:
+        for name in [k for k in state if ".attn." in k and k.split(".")[-2].startswith("w")]:
+            weight, scale = fp8_blocks(state[name], power_of_two=True)
+            state[name], state[name.removesuffix(".weight") + ".scale"] = weight, scale
+        raw["quantization_config"] = {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "scale_fmt": "ue8m0",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128],
+        }
+    tokenizer = (src / "tokenizer.json").read_bytes()
+    shutil.rmtree(out, ignore_errors=True)  # `out` may be `src`: everything is read by now
+    out.mkdir(parents=True)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(raw, indent=2))
+    (out / "tokenizer.json").write_bytes(tokenizer)
+
+
+def release_name(key: str) -> str:
+    """A tensor's name in DeepSeek's V4 release, from its name as transformers saves it."""
+    for part in ("fn", "base", "scale"):
+        if key == f"model.hc_head.hc_{part}":
+            return f"hc_head_{part}"
+    return key.removeprefix("model.").replace("embed_tokens.", "embed.", 1)
 
 
 def quantize_attention(out: Path) -> None:
@@ -307,6 +376,9 @@ def main() -> None:
     parser.add_argument("--fp8", action="store_true", help="attention weights as FP8 blocks")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--bench", action="store_true", help="a few million parameters")
+    parser.add_argument(
+        "--release", action="store_true", help="DeepSeek's release layout (names, config, scales)"
+    )
     fitting = parser.add_argument_group("MTP fitting (with --mtp; defaults: the tests' fit)")
     fitting.add_argument("--fit-sequences", type=int, default=FIT_SEQUENCES)
     fitting.add_argument("--fit-length", type=int, default=FIT_LENGTH, help="tokens a sequence")
@@ -323,7 +395,9 @@ def main() -> None:
         args.fit_batch,
         args.fit_lr,
     )
-    build(args.out, args.windows, args.mtp, args.seed, args.bench, args.fp8, fit)
+    build(
+        args.out, args.windows, args.mtp, args.seed, args.bench, args.fp8, fit, release=args.release
+    )
     print(args.out)
 
 

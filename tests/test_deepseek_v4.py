@@ -7,7 +7,9 @@ a real pool, two expert-parallel ranks serve 48 concurrent requests with the tok
 gets alone on one rank, and a rank killed mid-decode changes no token; with the MTP module
 greedy tokens are those without it and sampled ones follow the same distribution, and a
 rejected draft at a window boundary leaves nothing a later launch reads; FP8 attention
-weights load dequantized, FP4 experts fail at start naming their format."""
+weights load dequantized, and so does a checkpoint in DeepSeek's release layout (bare names,
+`compress_ratios`, UE8M0 `X.scale` block scales); FP4 experts fail at start naming their
+format."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import json
 import random
 import shutil
 from collections.abc import Iterator
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -23,7 +26,7 @@ from safetensors.torch import load_file
 
 from npu_worker.models.config import UnsupportedModel
 from npu_worker.models.deepseek_v4 import DeepseekV4CausalLM
-from npu_worker.models.deepseek_v4_config import state_elements_per_slot
+from npu_worker.models.deepseek_v4_config import DeepseekV4Config, state_elements_per_slot
 from npu_worker.models.deepseek_v4_state import DeepseekV4State
 from npu_worker.models.launch import LaunchInputs
 from npu_worker.models.loader import load_model
@@ -299,13 +302,67 @@ def test_fp8_attention_weights_load_as_their_dequantized_blocks(tmp_path: Path) 
     quantized = [k for k, v in stored.items() if v.dtype == torch.float8_e4m3fn]
     assert len(quantized) >= 4 * 5 and all(".attn." in k for k in quantized)
     for name in quantized:
-        fp8, scale = stored[name].float(), stored[name + "_scale_inv"]
-        want = torch.empty_like(fp8)
-        for i in range(scale.shape[0]):  # block by block, as the format defines it
-            for j in range(scale.shape[1]):
-                rows, cols = slice(128 * i, 128 * (i + 1)), slice(128 * j, 128 * (j + 1))
-                want[rows, cols] = fp8[rows, cols] * scale[i, j]
+        want = block_by_block(stored[name], stored[name + "_scale_inv"])
         assert torch.equal(weights[name].detach(), want), name
+
+
+def block_by_block(fp8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """An FP8 weight times its 128x128 blocks' scales, one block at a time, as the format
+    defines it."""
+    want = fp8.float()
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            rows, cols = slice(128 * i, 128 * (i + 1)), slice(128 * j, 128 * (j + 1))
+            want[rows, cols] *= scale[i, j].float()
+    return want
+
+
+def test_a_checkpoint_in_deepseeks_release_layout_loads_as_its_transformers_copy(
+    tmp_path: Path,
+) -> None:
+    """Bare names, the release's config terms and UE8M0 `X.scale` block scales: the same
+    configuration, rotary tables and weights (FP8 ones as their blocks dequantized)."""
+    saved, released = tmp_path / "transformers", tmp_path / "release"
+    make.build(saved, "small", mlp_layers=make.HASH_FIRST)
+    make.release_layout(saved, released, fp8=True)
+    config = json.loads((released / "config.json").read_text())
+    assert "layer_types" not in config and "mlp_layer_types" not in config
+    stored = load_file(str(released / "model.safetensors"))
+    assert "embed.weight" in stored and "hc_head_fn" in stored
+    quantized = [k for k, v in stored.items() if v.dtype == torch.float8_e4m3fn]
+    assert len(quantized) >= 4 * 5
+    scales = {k: stored[k.removesuffix(".weight") + ".scale"] for k in quantized}
+    assert {v.dtype for v in scales.values()} == {torch.float8_e8m0fnu}
+
+    plain, release = (
+        load_model(path, "float32", torch.device("cpu"), MAX_MODEL_LEN)
+        for path in (saved, released)
+    )
+    for field in fields(DeepseekV4Config):
+        if field.name not in ("main_rope", "compress_rope"):  # as tables, below
+            assert getattr(release.config, field.name) == getattr(plain.config, field.name), field
+    assert isinstance(plain.model, DeepseekV4CausalLM)
+    assert isinstance(release.model, DeepseekV4CausalLM)
+    for name, (cos, sin) in plain.model.ropes().items():
+        other = release.model.ropes()[name]
+        assert torch.equal(cos, other[0]) and torch.equal(sin, other[1]), name
+    weights = dict(release.model.named_parameters())
+    dequantized = 0
+    for name, param in plain.model.named_parameters():
+        key = make.release_name(name)
+        if key in scales:
+            want = block_by_block(stored[key], scales[key])
+            assert (want - param).abs().max() <= param.abs().max() / 8, name  # e4m3: 3 bits
+            dequantized += 1
+        else:
+            want = param.detach()
+        assert torch.equal(weights[name].detach(), want), name
+    assert dequantized == len(quantized)
+
+    config["quantization_config"]["scale_fmt"] = "e5m2"  # a scale format it does not know
+    (released / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModel, match="scale_fmt 'e5m2'"):
+        load_model(released, "float32", torch.device("cpu"), MAX_MODEL_LEN)
 
 
 def test_fp4_experts_fail_at_start_naming_the_format(

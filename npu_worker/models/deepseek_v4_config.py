@@ -123,8 +123,7 @@ class DeepseekV4Config:
         layer_types = tuple(raw.get("layer_types") or ())
         rates = {CSA: 4, HCA: 128, **(raw.get("compress_rates") or {})}
         if not layer_types and raw.get("compress_ratios"):
-            by_rate = {0: SLIDING, int(rates[CSA]): CSA, int(rates[HCA]): HCA}
-            layer_types = tuple(by_rate[int(r)] for r in raw["compress_ratios"][:layers])
+            layer_types, rates = _from_compress_ratios(path, raw["compress_ratios"][:layers], rates)
         bad = [t for t in layer_types if t not in LAYER_TYPES]
         if len(layer_types) != layers or bad:
             raise UnsupportedModel(
@@ -175,6 +174,28 @@ class DeepseekV4Config:
             eos_token_ids=eos_ids(path, raw),
             mtp_layers=int(raw.get("num_nextn_predict_layers") or 0),
         )
+
+
+def _from_compress_ratios(
+    path: Path, ratios: list[Any], rates: dict[str, int]
+) -> tuple[tuple[str, ...], dict[str, int]]:
+    """Layer types and rates from DeepSeek's release form, one `compress_ratios` entry per
+    layer (the MTP block's trailing one dropped): 0 a sliding layer, the CSA rate (4) a CSA
+    layer, any other rate an HCA layer, as DeepSeek's own inference code reads them."""
+    try:
+        values = [int(r) for r in ratios]
+    except (TypeError, ValueError):
+        raise UnsupportedModel(f"{path}: compress_ratios {ratios!r} are not integers") from None
+    heavy = sorted({r for r in values if r not in (0, rates[CSA])})
+    if len(heavy) > 1 or any(r < 0 for r in values):
+        raise UnsupportedModel(
+            f"{path}: compress_ratios {values} name rates {heavy}; one HCA rate besides the "
+            f"CSA rate {rates[CSA]} is supported"
+        )
+    if heavy:
+        rates = {**rates, HCA: heavy[0]}
+    kinds = {0: SLIDING, rates[CSA]: CSA, rates[HCA]: HCA}
+    return tuple(kinds[r] for r in values), rates
 
 
 def rope_parameters(raw: dict[str, Any]) -> tuple[Rope, Rope]:
