@@ -292,6 +292,33 @@ def test_sampled_tokens_with_the_mtp_module_follow_the_same_distribution(
     assert chi_square_ok(sample_paths(plain, 800, 0), sample_paths(drafted, 800, 100_000))
 
 
+def test_bfloat16_weights_give_the_float32_logits_to_bfloat16_precision(
+    checkpoints: dict[str, Path],
+) -> None:
+    """What V4 keeps in float32 (norms, sinks, `ape`, hyper-connections, routers) stays so,
+    and the rest runs in bfloat16 (the dtype `--dtype auto` picks on CPUs with bf16)."""
+    path = checkpoints["small"]
+    rng = random.Random(24)
+    prompts = [random_prompt(rng, n, make.VOCAB_SIZE) for n in (20, 150, 300)]
+    logits = {}
+    for dtype in ("float32", "bfloat16"):
+        loaded = load_model(path, dtype, torch.device("cpu"), MAX_MODEL_LEN)
+        model = loaded.model
+        assert isinstance(model, DeepseekV4CausalLM)
+        kept = {n for n, p in model.named_parameters() if p.dtype == torch.float32}
+        assert any(".ffn.gate." in n for n in kept) and any("hc_attn" in n for n in kept)
+        if dtype == "bfloat16":  # the projections, the compressors' gates among them
+            assert not any("compressor.wgate" in n or ".wq_a." in n for n in kept)
+        runner = LaunchRunner(model, launch_shapes(1, MAX_MODEL_LEN, 128, 1))
+        logits[dtype] = []
+        for prompt in prompts:
+            for start in range(0, len(prompt), 128):
+                last = runner.prefill(0, prompt[start : start + 128], start)
+            logits[dtype].append(last.float())
+    for want, got in zip(logits["float32"], logits["bfloat16"]):
+        assert torch.nn.functional.cosine_similarity(want, got, dim=-1).min() > 0.999
+
+
 def test_fp8_attention_weights_load_as_their_dequantized_blocks(tmp_path: Path) -> None:
     path = tmp_path / "fp8"
     make.build(path, "small", fp8=True)

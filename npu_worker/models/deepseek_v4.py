@@ -29,7 +29,7 @@ from npu_worker.models.deepseek_v4_state import DeepseekV4State
 from npu_worker.models.launch import KVCache, LaunchInputs, LaunchModel, LaunchOutput
 from npu_worker.models.moe import ExpertModel
 
-FLOAT32_PARTS = ("norm", "attn_sink", "ape", "hc_", "gate.weight", "gate.bias")
+FLOAT32_PARTS = ("norm", "attn_sink", "ape", "hc_", "ffn.gate.")  # ffn.gate: the routers
 
 
 class Backbone(nn.Module):
