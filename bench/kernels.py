@@ -76,10 +76,12 @@ def attention_bandwidth(
 ) -> dict[str, Any] | None:
     """Bytes per second of one layer's decode attention (every row at `context`) through
     the decode kernel, against a plain sum streaming the same cache bytes; None without
-    the kernel."""
+    the kernel or without per-layer K/V buffers (DeepSeek-V4's per-slot state has none)."""
     kernel = runner.cache.decode_kernel
+    if kernel is None or not runner.cache.k:
+        return None
     k, v = runner.cache.k[0], runner.cache.v[0]
-    if kernel is None or not kernel.supports(k):
+    if not kernel.supports(k):
         return None
     batch, head_dim = runner.decode_batch, k.shape[-1]
     q = torch.randn(batch, 1, num_heads, head_dim).to(k.dtype)
