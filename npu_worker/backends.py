@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import torch
 
 from npu_worker.models.cpu_attention import load_decode_kernel
+from npu_worker.models.cpu_linear import pack_linears
 from npu_worker.models.launch import KVCache, LaunchInputs, LaunchModel, LaunchOutput
 
 
@@ -35,18 +36,31 @@ class LaunchBackend(Protocol):
 
 class EagerBackend:
     """Plain torch at static shapes; on the CPU, decode attention through the decode kernel
-    where it builds (`decode_kernel`), so each row reads only its own keys."""
+    where it builds (`decode_kernel`), so each row reads only its own keys, and bfloat16
+    linear layers on weights packed once for oneDNN (the same bits, cpu_linear.py)."""
 
     name = "eager"
     reads_in_place = True
     packs = True
 
-    def __init__(self, model: LaunchModel, cache: KVCache, decode_kernel: bool = False) -> None:
+    def __init__(
+        self,
+        model: LaunchModel,
+        cache: KVCache,
+        decode_kernel: bool = False,
+        packed_linears: bool = True,
+    ) -> None:
         self.model, self.cache = model, cache
-        if decode_kernel and cache.device.type == "cpu":
+        if cache.device.type != "cpu":
+            return
+        if decode_kernel:
             cache.decode_kernel = load_decode_kernel()
             if cache.decode_kernel is not None:
-                self.name = "eager+decode-kernel"
+                self.name += "+decode-kernel"
+        if packed_linears:
+            pack_linears(model)
+        if any(getattr(m, "packed_weight", None) is not None for m in model.modules()):
+            self.name += "+packed-linears"
 
     def run(self, launch: LaunchInputs) -> LaunchOutput:
         return self.model(launch, self.cache)
@@ -176,6 +190,7 @@ def make_backend(
     device: torch.device,
     cuda_graphs: bool = True,
     decode_kernel: bool = True,
+    packed_linears: bool = True,
 ) -> LaunchBackend:
     """The backend for a device: graphs on CUDA (unless disabled), torch_npu on NPU, else
     eager (on the CPU with the decode kernel, unless disabled)."""
@@ -183,4 +198,4 @@ def make_backend(
         return CudaGraphBackend(model, cache)
     if device.type == "npu":
         return NpuBackend(model, cache)
-    return EagerBackend(model, cache, decode_kernel)
+    return EagerBackend(model, cache, decode_kernel, packed_linears)

@@ -82,6 +82,7 @@ class LaunchRunner:
         shapes: LaunchShapes,
         cuda_graphs: bool = True,
         decode_kernel: bool = True,
+        packed_linears: bool = True,
     ) -> None:
         self.mtp = model.mtp is not None
         self.model_packs = model.packs
@@ -93,7 +94,9 @@ class LaunchRunner:
         num_slots = shapes.num_slots
         self.cache = model.new_cache(num_slots, shapes.max_kv_len)
         self.device = self.cache.device
-        self.backend = make_backend(model, self.cache, self.device, cuda_graphs, decode_kernel)
+        self.backend = make_backend(
+            model, self.cache, self.device, cuda_graphs, decode_kernel, packed_linears
+        )
         # graph backends capture one shape per span, so spans are whole prefill chunks;
         # eager ones capture nothing and read only as far as the context needs
         self.span_step = prefill_chunk if not self.backend.reads_in_place else EAGER_SPAN_STEP
