@@ -1,6 +1,7 @@
-"""Decode launches under several settings, interleaved in one process: float32 with
-batched matrix products (the path before the decode kernel), float32 with the kernel, and
-bfloat16 with the kernel. Rounds alternate between them so a noisy machine slows each
+"""Decode (and B1S128 prefill) launches under several settings, interleaved in one process:
+float32 with batched matrix products (the path before the decode kernel), float32 with the
+kernel, bfloat16 with the kernel on unpacked linear weights, and bfloat16 with the kernel
+on packed ones (the default). Rounds alternate between them so a noisy machine slows each
 alike; speed-ups are medians of the per-round ratios to the first.
 
     python -m bench.launch_ab --model smollm2 --decode-batch 64 --contexts 256 1024
@@ -25,13 +26,18 @@ from npu_worker.runner import LaunchRunner
 from schemas.config import Settings
 
 DType = Literal["float32", "bfloat16"]
-VARIANTS: list[tuple[DType, bool]] = [("float32", False), ("float32", True), ("bfloat16", True)]
+VARIANTS: list[tuple[DType, bool, bool]] = [  # dtype, decode kernel, packed linears
+    ("float32", False, False),
+    ("float32", True, False),
+    ("bfloat16", True, False),
+    ("bfloat16", True, True),
+]
 
 
 def runners(model: str, batch: int, max_model_len: int) -> dict[str, LaunchRunner]:
     """One runner (its own cache) per variant; one model per dtype."""
     out = {}
-    for dtype, kernel in VARIANTS:
+    for dtype, kernel, packed in VARIANTS:
         settings = Settings(
             model=model,
             device="cpu",
@@ -42,8 +48,8 @@ def runners(model: str, batch: int, max_model_len: int) -> dict[str, LaunchRunne
         )
         loaded = load_for(settings)
         shapes = replace(settings.launch_shapes(), num_slots=batch)
-        name = f"{dtype} {'kernel' if kernel else 'matmul'}"
-        out[name] = LaunchRunner(loaded.model, shapes, decode_kernel=kernel)
+        name = f"{dtype} {'kernel' if kernel else 'matmul'}{' packed' if packed else ''}"
+        out[name] = LaunchRunner(loaded.model, shapes, decode_kernel=kernel, packed_linears=packed)
     return out
 
 
@@ -55,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contexts", type=int, nargs="+", default=[256, 1024])
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (a rank's)")
+    parser.add_argument("--prefill", action="store_true", help="also time B1S128 prefill")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
@@ -79,6 +86,21 @@ def main(argv: list[str] | None = None) -> int:
             ratio = statistics.median(b / a for a, b in zip(ms, base))
             cells.append(f"{name} {statistics.median(ms):.1f} ms (x{ratio:.2f})")
         print(f"{args.model} B{batch}S1, rows at {half}-{context}: " + "; ".join(cells))
+    if args.prefill:
+        chunk = [5] * 128
+        times = {name: [] for name in by_name}
+        for _ in range(args.rounds):
+            for name, runner in by_name.items():
+                began = time.perf_counter()
+                runner.prefill(0, chunk, 0)
+                times[name].append((time.perf_counter() - began) * 1000)
+        base = next(iter(times.values()))
+        cells = [
+            f"{name} {statistics.median(ms):.1f} ms "
+            f"(x{statistics.median(b / a for a, b in zip(ms, base)):.2f})"
+            for name, ms in times.items()
+        ]
+        print(f"{args.model} B1S128 prefill: " + "; ".join(cells))
     return 0
 
 
