@@ -53,6 +53,16 @@ def runners(model: str, batch: int, max_model_len: int) -> dict[str, LaunchRunne
     return out
 
 
+def summary(times: dict[str, list[float]]) -> str:
+    """Each variant's median ms and the median of its per-round speed-ups over the first."""
+    base = next(iter(times.values()))
+    cells = []
+    for name, ms in times.items():
+        ratio = statistics.median(b / a for a, b in zip(ms, base))
+        cells.append(f"{name} {statistics.median(ms):.1f} ms (x{ratio:.2f})")
+    return "; ".join(cells)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Print each variant's median ms per launch and its speed-up over the first."""
     parser = argparse.ArgumentParser(prog="python -m bench.launch_ab", description=__doc__)
@@ -80,12 +90,7 @@ def main(argv: list[str] | None = None) -> int:
                 for _ in range(2):
                     runner.decode(slots, [5] * batch, positions).argmax(-1)
                 times[name].append((time.perf_counter() - began) / 2 * 1000)
-        base = next(iter(times.values()))
-        cells = []
-        for name, ms in times.items():
-            ratio = statistics.median(b / a for a, b in zip(ms, base))
-            cells.append(f"{name} {statistics.median(ms):.1f} ms (x{ratio:.2f})")
-        print(f"{args.model} B{batch}S1, rows at {half}-{context}: " + "; ".join(cells))
+        print(f"{args.model} B{batch}S1, rows at {half}-{context}: " + summary(times))
     if args.prefill:
         chunk = [5] * 128
         times = {name: [] for name in by_name}
@@ -94,13 +99,7 @@ def main(argv: list[str] | None = None) -> int:
                 began = time.perf_counter()
                 runner.prefill(0, chunk, 0)
                 times[name].append((time.perf_counter() - began) * 1000)
-        base = next(iter(times.values()))
-        cells = [
-            f"{name} {statistics.median(ms):.1f} ms "
-            f"(x{statistics.median(b / a for a, b in zip(ms, base)):.2f})"
-            for name, ms in times.items()
-        ]
-        print(f"{args.model} B1S128 prefill: " + "; ".join(cells))
+        print(f"{args.model} B1S128 prefill: " + summary(times))
     return 0
 
 

@@ -141,6 +141,12 @@ def build(
     return model
 
 
+def attention_projections(state: dict[str, torch.Tensor]) -> list[str]:
+    """The attention projections' weights (`attn.w*.weight`, the compressors' and indexers'
+    included): what DeepSeek stores as FP8 blocks."""
+    return [k for k in state if ".attn." in k and k.split(".")[-2].startswith("w")]
+
+
 def release_layout(src: Path, out: Path, fp8: bool = False) -> None:
     """Write the checkpoint at `src` to `out` as DeepSeek releases V4: bare tensor names
     (`embed.`, `layers.`, `norm.`, `head.`, `hc_head_*`), a config in the release's terms
@@ -171,7 +177,7 @@ def release_layout(src: Path, out: Path, fp8: bool = False) -> None:
     }
     state = {release_name(k): v for k, v in load_file(str(src / "model.safetensors")).items()}
     if fp8:
-        for name in [k for k in state if ".attn." in k and k.split(".")[-2].startswith("w")]:
+        for name in attention_projections(state):
             weight, scale = fp8_blocks(state[name], power_of_two=True)
             state[name], state[name.removesuffix(".weight") + ".scale"] = weight, scale
         raw["quantization_config"] = {
@@ -201,7 +207,7 @@ def quantize_attention(out: Path) -> None:
     """Store the checkpoint's attention projections (`attn.w*.weight`, the compressors' and
     indexers' included) as FP8 blocks, and say so in its config."""
     state = load_file(str(out / "model.safetensors"))
-    for name in [k for k in state if ".attn." in k and k.split(".")[-2].startswith("w")]:
+    for name in attention_projections(state):
         state[name], state[name + "_scale_inv"] = fp8_blocks(state[name])
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     raw = json.loads((out / "config.json").read_text())
