@@ -12,8 +12,9 @@ from torch import nn
 from npu_worker.models.config import ModelConfig
 from npu_worker.models.launch import KVCache, LaunchInputs
 
-# Launches of at most this many tokens a row (decode S1, MTP verify and draft S2) take the
-# decode kernel; prefill chunks keep the batched matrix products, which suit their shape.
+# Launches of at most this many tokens a row (decode S1, MTP verify and draft S2) pass the
+# attention kernel their rows as they are (a row's queries share one pass over its keys);
+# longer ones (prefill chunks) pass it every token as a row of its own.
 DECODE_KERNEL_MAX_SEQ = 4
 
 
@@ -76,22 +77,31 @@ def cached_attention(
     num_kv_heads: int,
 ) -> torch.Tensor:
     """One layer's attention of a launch's queries q [B, S, H, D] over the cache, after
-    writing its K/V: decode and verify launches through the cache's decode kernel where it
-    has one (each row's own keys, read in place), everything else masked over the span."""
+    writing its K/V: through the cache's attention kernel where it has one (every query
+    reads its own slot's keys up to its own position, in place, so a prefill token's
+    output is computed exactly as a decode of it would be), else masked over the span."""
     k_cache, v_cache = cache.k[layer], cache.v[layer]
     kernel = cache.decode_kernel
-    if (
-        kernel is not None
-        and not launch.packed
-        and q.shape[1] <= DECODE_KERNEL_MAX_SEQ
-        and kernel.supports(k_cache)
-        and kernel.supports(v_cache)
-    ):
-        write_cache(k_cache, v_cache, k, v, launch)
-        scale = q.shape[-1] ** -0.5
+    if kernel is None or not (kernel.supports(k_cache) and kernel.supports(v_cache)):
+        keys, values, visible = cached_keys(k_cache, v_cache, k, v, launch)
+        return attend(q, keys, values, visible, num_kv_heads)
+    batch, seq, heads, head_dim = q.shape
+    scale = head_dim**-0.5
+    if launch.packed:  # each token its own row: its segment's slot, its position
+        assert launch.segment_slots is not None and launch.token_segments is not None
+        slots, positions = launch.segment_slots[launch.token_segments], launch.positions[0]
+        k_cache[slots, :, positions] = k[0].to(k_cache.dtype)
+        v_cache[slots, :, positions] = v[0].to(v_cache.dtype)
+        out = kernel(q[0, :, None], k_cache, v_cache, slots, positions[:, None], launch.span, scale)
+        return out.view(batch, seq, heads, -1)
+    write_cache(k_cache, v_cache, k, v, launch)
+    if seq <= DECODE_KERNEL_MAX_SEQ:  # decode, MTP verify: a row's queries share its keys
         return kernel(q, k_cache, v_cache, launch.slot_ids, launch.positions, launch.span, scale)
-    keys, values, visible = cached_keys(k_cache, v_cache, k, v, launch)
-    return attend(q, keys, values, visible, num_kv_heads)
+    # a prefill chunk: each token a row of its own, so it sees exactly its own prefix
+    slots = launch.slot_ids.repeat_interleave(seq)
+    rows = q.reshape(batch * seq, 1, heads, head_dim)
+    out = kernel(rows, k_cache, v_cache, slots, launch.positions.reshape(-1, 1), launch.span, scale)
+    return out.view(batch, seq, heads, -1)
 
 
 def causal_mask(positions: torch.Tensor, span: int) -> torch.Tensor:
