@@ -5,7 +5,11 @@ context in the launch, and at the shapes of a decode launch (a few query heads p
 they run far below the memory's bandwidth. This kernel walks each (row, KV head) over
 its slot's keys `0..position` in place in the cache, once for all the queries that share
 them: a dot product per key, a softmax, a weighted sum of the values, each in one fixed
-order that depends only on the row's own context. So a row's output is bit-identical
+order that depends only on the row's own context. The dot products are summed 16 keys at
+a time through one tree of shuffles (no horizontal sum per key), and bfloat16 keys are
+multiplied as bfloat16 pairs accumulated in float32 (AVX512-BF16) where the CPU has it.
+Prefill chunks pass every token as a row of its own (layers.py), so a prompt token's
+attention is computed exactly as its decode would be. So a row's output is bit-identical
 whatever else shares its launch and whatever span the launch reads (docs/architecture.md §2).
 
 It is a few dozen lines of C, built once per machine with the system's C compiler into the
@@ -159,36 +163,85 @@ static void weigh_values(const float *p, int64_t p_step, int nq, int n, const ch
 }
 
 #ifdef __AVX512F__
-/* scores of up to MAX_QUERIES queries of 64 channels against keys 0..n: the queries stay in
-   registers and each key row is loaded once for all of them */
-static void score_keys64(const float *q, int nq, const int *n, int longest, const char *k,
-                         int64_t k_step, int dtype, float scale, float *scores) {
+/* [sum of a[i]'s lanes for i in 0..16): pairs of lanes, then of pairs, then of 128-bit
+   quarters, always the same tree, so a key's sum does not depend on its neighbours */
+static inline __m512 sum16(const __m512 *a) {
+    __m512 b[8], c[4], d[2];
+    for (int i = 0; i < 8; i++)
+        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                             _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(b[2 * i]), _mm512_castps_pd(b[2 * i + 1]));
+        __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(b[2 * i]), _mm512_castps_pd(b[2 * i + 1]));
+        c[i] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+    }
+    for (int i = 0; i < 2; i++)
+        d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88),
+                         _mm512_shuffle_f32x4(d[0], d[1], 0xDD));
+}
+
+/* 16 lanes whose sum is query . key, for 64 channels */
+static inline __m512 partial64(const __m512 *qv, const char *row, int dtype) {
+#ifdef __AVX512BF16__
+    if (dtype == 1) { /* bfloat16 pairs multiplied and added in float32 */
+        __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_castps_si512(qv[0]),
+                                      (__m512bh)_mm512_loadu_si512(row));
+        return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_castps_si512(qv[1]),
+                                (__m512bh)_mm512_loadu_si512(row + 64));
+    }
+#endif
     size_t elem = dtype == 0 ? 4 : 2;
-    __m512 qv[MAX_QUERIES][4];
-    for (int j = 0; j < MAX_QUERIES; j++)
-        for (int c = 0; c < 4; c++)
-            qv[j][c] = j < nq ? _mm512_loadu_ps(q + j * 64 + 16 * c) : _mm512_setzero_ps();
-    for (int t = 0; t < longest; t++) {
-        const char *row = k + (size_t)t * k_step * elem;
-        __m512 x[4];
-        for (int c = 0; c < 4; c++) x[c] = load16(row + 16 * c * elem, dtype);
-        for (int j = 0; j < MAX_QUERIES; j++) {
-            if (j >= nq) break;
-            if (t >= n[j]) continue;
-            __m512 even = _mm512_fmadd_ps(qv[j][2], x[2], _mm512_mul_ps(qv[j][0], x[0]));
-            __m512 odd = _mm512_fmadd_ps(qv[j][3], x[3], _mm512_mul_ps(qv[j][1], x[1]));
-            float sum = _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
-            scores[(size_t)j * longest + t] = sum * scale;
+    __m512 x[4];
+    for (int c = 0; c < 4; c++) x[c] = load16(row + 16 * c * elem, dtype);
+    __m512 even = _mm512_fmadd_ps(qv[2], x[2], _mm512_mul_ps(qv[0], x[0]));
+    __m512 odd = _mm512_fmadd_ps(qv[3], x[3], _mm512_mul_ps(qv[1], x[1]));
+    return _mm512_add_ps(even, odd);
+}
+
+/* scores of `nq` queries of 64 channels against keys 0..n[j], 16 keys at a time, with no
+   horizontal sum per key: `q` float32 [nq, 64], `qh` the same queries as bfloat16 */
+static void score_keys64(const float *q, const uint16_t *qh, int nq, const int *n, int longest,
+                         const char *k, int64_t k_step, int dtype, float scale, float *scores) {
+    size_t elem = dtype == 0 ? 4 : 2;
+    for (int j = 0; j < nq; j++) {
+        __m512 qv[4];
+#ifdef __AVX512BF16__
+        if (dtype == 1) {
+            qv[0] = _mm512_castsi512_ps(_mm512_loadu_si512(qh + j * 64));
+            qv[1] = _mm512_castsi512_ps(_mm512_loadu_si512(qh + j * 64 + 32));
+        } else
+#endif
+            for (int c = 0; c < 4; c++) qv[c] = _mm512_loadu_ps(q + j * 64 + 16 * c);
+        for (int t0 = 0; t0 < n[j]; t0 += LANES) {
+            int m = n[j] - t0 < LANES ? n[j] - t0 : LANES;
+            __m512 part[LANES];
+            for (int i = 0; i < LANES; i++)
+                part[i] = i < m ? partial64(qv, k + (size_t)(t0 + i) * k_step * elem, dtype)
+                                : _mm512_setzero_ps();
+            __m512 sums = _mm512_mul_ps(sum16(part), _mm512_set1_ps(scale));
+            _mm512_mask_storeu_ps(scores + (size_t)j * longest + t0, (__mmask16)((1u << m) - 1),
+                                  sums);
         }
     }
 }
 #endif
 
+/* float32 to bfloat16, rounding to nearest even (as torch does) */
+static inline uint16_t narrow(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof(float));
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN */
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
 /* one (row, KV head): its `queries` query vectors [queries, dim] (S positions x the heads
-   of its group), position s's queries seeing keys 0..limit[s]-1 */
-static void attend_row(const float *q, int queries, const int64_t *limit, int seq, int group,
-                       const char *k, int64_t k_step, const char *v, int64_t v_step,
-                       int dtype, int dim, int vdim, float scale, float *out,
+   of its group; `q` widened to float32, `qh` as stored when that is bfloat16), position
+   s's queries seeing keys 0..limit[s]-1; the outputs go to `out` in the cache's dtype */
+static void attend_row(const float *q, const uint16_t *qh, int queries, const int64_t *limit,
+                       int seq, int group, const char *k, int64_t k_step, const char *v,
+                       int64_t v_step, int dtype, int dim, int vdim, float scale, char *out,
                        int64_t out_seq_step, int64_t out_head_step, float *work) {
     int longest = 0;
     for (int s = 0; s < seq; s++) if (limit[s] > longest) longest = (int)limit[s];
@@ -202,8 +255,8 @@ static void attend_row(const float *q, int queries, const int64_t *limit, int se
         for (int i = 0; i < queries; i += MAX_QUERIES) {
             int nq = queries - i < MAX_QUERIES ? queries - i : MAX_QUERIES, n[MAX_QUERIES];
             for (int j = 0; j < nq; j++) n[j] = (int)limit[(i + j) / group];
-            score_keys64(q + (size_t)i * dim, nq, n, longest, k, k_step, dtype, scale,
-                         scores + (size_t)i * longest);
+            score_keys64(q + (size_t)i * dim, qh + (size_t)i * dim, nq, n, longest, k, k_step,
+                         dtype, scale, scores + (size_t)i * longest);
         }
         t = longest;
     }
@@ -227,18 +280,22 @@ static void attend_row(const float *q, int queries, const int64_t *limit, int se
     for (int s = 0; s < seq; s++)
         for (int g = 0; g < group; g++) {
             int i = s * group + g;
-            float *dst = out + s * out_seq_step + g * out_head_step;
+            size_t at = (size_t)(s * out_seq_step + g * out_head_step);
             float inv = total[i] > 0.0f ? 1.0f / total[i] : 0.0f;
-            for (int d = 0; d < vdim; d++) dst[d] = acc[(size_t)i * vdim + d] * inv;
+            const float *sums = acc + (size_t)i * vdim;
+            if (dtype == 0)
+                for (int d = 0; d < vdim; d++) ((float *)out)[at + d] = sums[d] * inv;
+            else
+                for (int d = 0; d < vdim; d++) ((uint16_t *)out)[at + d] = narrow(sums[d] * inv);
         }
 }
 
-/* q [B, S, H, D] float32 contiguous; out [B, S, H, Dv] float32 contiguous; k, v: one
-   layer's cache with strides in elements (slot, head, position; channels contiguous);
-   slots [B]; positions [B, S]: query (b, s) sees its slot's keys 0..positions[b, s], none
-   when that is at or past `span` (a padding row's scratch position) */
-int decode_attention(const float *q, const void *k, const void *v, const int64_t *slots,
-                     const int64_t *positions, float *out, int batch, int seq, int heads,
+/* q [B, S, H, D] and out [B, S, H, Dv], contiguous, in the cache's dtype; k, v: one layer's
+   cache with strides in elements (slot, head, position; channels contiguous); slots [B];
+   positions [B, S]: query (b, s) sees its slot's keys 0..positions[b, s], none when that
+   is at or past `span` (a padding row's scratch position) */
+int decode_attention(const void *q, const void *k, const void *v, const int64_t *slots,
+                     const int64_t *positions, void *out, int batch, int seq, int heads,
                      int kv_heads, int dim, int vdim, int64_t k_slot, int64_t k_head,
                      int64_t k_pos, int64_t v_slot, int64_t v_head, int64_t v_pos,
                      int span, int dtype, float scale, int threads) {
@@ -250,29 +307,38 @@ int decode_attention(const float *q, const void *k, const void *v, const int64_t
     {
         float *work = malloc(work_floats * sizeof(float));
         float *qrow = malloc((size_t)queries * dim * sizeof(float));
+        uint16_t *qh = malloc((size_t)queries * dim * sizeof(uint16_t));
         int64_t *limit = malloc((size_t)seq * sizeof(int64_t));
-        if (!work || !qrow || !limit) failed = 1;
+        if (!work || !qrow || !qh || !limit) failed = 1;
         #pragma omp for schedule(static)
         for (int task = 0; task < batch * kv_heads; task++) {
-            if (!work || !qrow || !limit) continue;
+            if (!work || !qrow || !qh || !limit) continue;
             int b = task / kv_heads, h = task % kv_heads;
             for (int s = 0; s < seq; s++) {
                 int64_t position = positions[(size_t)b * seq + s];
                 limit[s] = position < span ? position + 1 : 0;
             }
             for (int s = 0; s < seq; s++)
-                for (int g = 0; g < group; g++)
-                    memcpy(qrow + ((size_t)s * group + g) * dim,
-                           q + (((size_t)b * seq + s) * heads + h * group + g) * dim,
-                           sizeof(float) * dim);
+                for (int g = 0; g < group; g++) {
+                    size_t i = (size_t)s * group + g;
+                    const char *src = (const char *)q
+                        + (((size_t)b * seq + s) * heads + h * group + g) * dim * elem;
+                    if (dtype == 0) {
+                        memcpy(qrow + i * dim, src, sizeof(float) * dim);
+                    } else {
+                        memcpy(qh + i * dim, src, sizeof(uint16_t) * dim);
+                        widen(src, dtype, dim, qrow + i * dim);
+                    }
+                }
             const char *kr = (const char *)k + (size_t)(slots[b] * k_slot + h * k_head) * elem;
             const char *vr = (const char *)v + (size_t)(slots[b] * v_slot + h * v_head) * elem;
-            float *o = out + ((size_t)b * seq * heads + h * group) * vdim;
-            attend_row(qrow, queries, limit, seq, group, kr, k_pos, vr,
-                       v_pos, dtype, dim, vdim, scale, o, (int64_t)heads * vdim, vdim, work);
+            char *o = (char *)out + ((size_t)b * seq * heads + h * group) * vdim * elem;
+            attend_row(qrow, qh, queries, limit, seq, group, kr, k_pos, vr, v_pos, dtype, dim,
+                       vdim, scale, o, (int64_t)heads * vdim, vdim, work);
         }
         free(work);
         free(qrow);
+        free(qh);
         free(limit);
     }
     return failed;
@@ -313,9 +379,9 @@ class DecodeKernel:
         gets zeros. Returns [B, S, H, Dv] in q's dtype."""
         batch, seq, heads, dim = q.shape
         kv_heads, value_dim = k_cache.shape[1], v_cache.shape[-1]
-        query = q.float().contiguous()
+        query = q.to(k_cache.dtype).contiguous()
         slots, row_positions = slot_ids.contiguous(), positions.contiguous()  # held over the call
-        out = torch.empty(batch, seq, heads, value_dim, dtype=torch.float32)
+        out = torch.empty(batch, seq, heads, value_dim, dtype=k_cache.dtype)
         failed = self.call(
             query.data_ptr(),
             k_cache.data_ptr(),
