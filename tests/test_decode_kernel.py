@@ -13,7 +13,7 @@ import torch
 from npu_worker.devices import auto_dtype, cpu_has_native_bf16
 from npu_worker.models.cpu_attention import DecodeKernel, load_decode_kernel
 from npu_worker.models.launch import LaunchInputs
-from npu_worker.models.layers import attend, causal_mask
+from npu_worker.models.layers import attend, causal_mask, rotate_half
 from npu_worker.models.loader import LoadedModel
 from npu_worker.runner import LaunchRunner
 from schemas.config import Settings
@@ -217,3 +217,51 @@ def test_bfloat16_decode_logits_are_bit_identical_whatever_span_or_layout(
         outputs.append(loaded_bf16.model(launch, runner.cache).logits[row, 0])
     for other in outputs[1:]:
         assert torch.equal(outputs[0], other)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_store_is_rotate_half_and_write_cache_bit_for_bit(
+    kernel: DecodeKernel, dtype: torch.dtype
+) -> None:
+    generator = torch.Generator().manual_seed(9)
+    tokens, heads, kv_heads, dim = 7, 9, 3, 64
+    q = torch.randn(tokens, heads, dim, generator=generator).to(dtype)
+    k = torch.randn(tokens, kv_heads, dim, generator=generator).to(dtype)
+    v = torch.randn(tokens, kv_heads, dim, generator=generator).to(dtype)
+    cos, sin = torch.randn(2, tokens, dim, generator=generator)
+    k_cache = torch.zeros(SLOTS, kv_heads, POSITIONS, dim, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.tensor([0, 3, 5, 3, 1, 0, 2])
+    positions = torch.tensor([0, 17, 255, 18, 4, 1, SCRATCH])
+    expected_q = rotate_half(q[None], cos[None, :, None], sin[None, :, None])[0]
+    expected_k = rotate_half(k[None], cos[None, :, None], sin[None, :, None])[0]
+    rotated = q.clone()
+    kernel.rope_store(rotated, k, v, cos, sin, k_cache, v_cache, slots, positions)
+    assert torch.equal(rotated, expected_q)
+    assert torch.equal(k_cache[slots, :, positions], expected_k)
+    assert torch.equal(v_cache[slots, :, positions], v)
+    written = torch.zeros(SLOTS, POSITIONS, dtype=torch.bool)
+    written[slots, positions] = True
+    assert not k_cache.transpose(1, 2)[~written].any()  # nothing else written
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_prefilled_prompt_gives_the_logits_of_decoding_it_token_by_token(
+    kernel: DecodeKernel, dtype: str
+) -> None:
+    """Prefill chunks pass each token to the kernel as a row of its own, so the prompt's last
+    logits are those of feeding it one decode launch at a time: bit for bit in bfloat16,
+    whose packed products do not depend on the row count."""
+    loaded = load_reference_model(SETTINGS.model_copy(update={"dtype": dtype}))
+    shapes = launch_shapes(8, SETTINGS.max_kv_len, SETTINGS.prefill_chunk, 4)
+    prompt = random_prompt(random.Random(8), 150, loaded.config.vocab_size)
+    chunked = LaunchRunner(loaded.model, shapes)
+    for start in range(0, len(prompt), chunked.prefill_chunk):
+        logits = chunked.prefill(3, prompt[start : start + chunked.prefill_chunk], start)
+    stepped = LaunchRunner(loaded.model, shapes)
+    for position, token in enumerate(prompt):
+        by_decode = stepped.decode([3], [token], [position])
+    if dtype == "bfloat16":
+        assert torch.equal(logits[0], by_decode[0])
+    else:  # MKL's float32 products differ in their last bits between 1 row and 128
+        torch.testing.assert_close(logits[0], by_decode[0], rtol=1e-5, atol=1e-5)

@@ -343,10 +343,57 @@ int decode_attention(const void *q, const void *k, const void *v, const int64_t 
     }
     return failed;
 }
+
+/* x[0..dim) rotated in place (rotate-half RoPE): x * cos + cat(-x2, x1) * sin, each product
+   and sum rounded as torch rounds them (no fused multiply-adds: -ffp-contract=off), then
+   narrowed to the tensor's dtype; `wide` holds dim floats */
+static void rotate_row(const char *src, char *dst, int dtype, int dim, const float *cos,
+                       const float *sin, float *wide) {
+    const float *x = wide; /* a copy: src may be dst */
+    if (dtype == 0) memcpy(wide, src, sizeof(float) * dim);
+    else widen(src, dtype, dim, wide);
+    int half = dim / 2;
+    for (int d = 0; d < dim; d++) {
+        float rotated = d < half ? -x[d + half] : x[d - half];
+        float y = x[d] * cos[d] + rotated * sin[d];
+        if (dtype == 0) ((float *)dst)[d] = y;
+        else ((uint16_t *)dst)[d] = narrow(y);
+    }
+}
+
+/* A launch's queries rotated in place, its keys rotated into the cache, its values copied
+   into it: token t [tokens] writes slot slots[t] at position positions[t]. q [tokens, heads,
+   dim], k and v [tokens, kv_heads, dim] contiguous in the cache's dtype; cos and sin
+   [tokens, dim] float32; cache strides in elements (slot, head, position) */
+int rope_store(void *q, const void *k, const void *v, const float *cos, const float *sin,
+               const int64_t *slots, const int64_t *positions, void *k_cache, void *v_cache,
+               int tokens, int heads, int kv_heads, int dim, int64_t k_slot, int64_t k_head,
+               int64_t k_pos, int64_t v_slot, int64_t v_head, int64_t v_pos, int dtype) {
+    size_t elem = dtype == 0 ? 4 : 2, row = (size_t)dim * elem;
+    float *wide = malloc((size_t)dim * sizeof(float));
+    if (!wide) return 1;
+    for (int t = 0; t < tokens; t++) {
+        const float *c = cos + (size_t)t * dim, *s = sin + (size_t)t * dim;
+        for (int h = 0; h < heads; h++) {
+            char *x = (char *)q + ((size_t)t * heads + h) * row;
+            rotate_row(x, x, dtype, dim, c, s, wide);
+        }
+        for (int h = 0; h < kv_heads; h++) {
+            size_t at = (size_t)t * kv_heads + h;
+            int64_t kat = slots[t] * k_slot + h * k_head + positions[t] * k_pos;
+            int64_t vat = slots[t] * v_slot + h * v_head + positions[t] * v_pos;
+            rotate_row((const char *)k + at * row, (char *)k_cache + (size_t)kat * elem, dtype,
+                       dim, c, s, wide);
+            memcpy((char *)v_cache + (size_t)vat * elem, (const char *)v + at * row, row);
+        }
+    }
+    free(wide);
+    return 0;
+}
 """
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 
 
 class DecodeKernel:
@@ -359,6 +406,51 @@ class DecodeKernel:
         tail: list[type[Any]] = [ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int]
         self.call.argtypes = pointers + sizes + tail
         self.call.restype = ctypes.c_int
+
+        self.store = library.rope_store
+        self.store.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int] * 4 + [ctypes.c_int64] * 6
+        self.store.argtypes += [ctypes.c_int]
+        self.store.restype = ctypes.c_int
+
+    def rope_store(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> None:
+        """Rotate q [T, H, D] in place (rotate-half RoPE, cos and sin [T, D] float32), and
+        write token t's rotated keys and its values k, v [T, Hkv, D] into the cache at
+        slot `slots[t]`, position `positions[t]`: what `rotate_half` and `write_cache` do,
+        bit for bit, in one call. q, k and v are contiguous in the cache's dtype."""
+        tokens, heads, dim = q.shape
+        cos, sin = cos.contiguous(), sin.contiguous()
+        slots, positions = slots.contiguous(), positions.contiguous()
+        failed = self.store(
+            q.data_ptr(),
+            k.data_ptr(),
+            v.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            slots.data_ptr(),
+            positions.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            tokens,
+            heads,
+            k.shape[1],
+            dim,
+            *k_cache.stride()[:3],
+            *v_cache.stride()[:3],
+            DTYPE_CODES[k_cache.dtype],
+        )
+        if failed:
+            raise MemoryError("rope_store could not allocate its work buffer")
 
     def supports(self, cache: torch.Tensor) -> bool:
         """True for a cache this kernel reads: CPU, float32 or bfloat16, channels contiguous."""

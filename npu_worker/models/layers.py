@@ -5,12 +5,16 @@ logits do not depend on its launch: docs/architecture.md §2)."""
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from npu_worker.models.config import ModelConfig
 from npu_worker.models.launch import KVCache, LaunchInputs
+
+if TYPE_CHECKING:
+    from npu_worker.models.cpu_attention import DecodeKernel
 
 # Launches of at most this many tokens a row (decode S1, MTP verify and draft S2) pass the
 # attention kernel their rows as they are (a row's queries share one pass over its keys);
@@ -85,22 +89,80 @@ def cached_attention(
     if kernel is None or not (kernel.supports(k_cache) and kernel.supports(v_cache)):
         keys, values, visible = cached_keys(k_cache, v_cache, k, v, launch)
         return attend(q, keys, values, visible, num_kv_heads)
-    batch, seq, heads, head_dim = q.shape
-    scale = head_dim**-0.5
-    if launch.packed:  # each token its own row: its segment's slot, its position
-        assert launch.segment_slots is not None and launch.token_segments is not None
-        slots, positions = launch.segment_slots[launch.token_segments], launch.positions[0]
+    if launch.packed:
+        slots, positions = token_rows(launch)
         k_cache[slots, :, positions] = k[0].to(k_cache.dtype)
         v_cache[slots, :, positions] = v[0].to(v_cache.dtype)
-        out = kernel(q[0, :, None], k_cache, v_cache, slots, positions[:, None], launch.span, scale)
-        return out.view(batch, seq, heads, -1)
-    write_cache(k_cache, v_cache, k, v, launch)
-    if seq <= DECODE_KERNEL_MAX_SEQ:  # decode, MTP verify: a row's queries share its keys
+    else:
+        write_cache(k_cache, v_cache, k, v, launch)
+    return kernel_attention(kernel, q, k_cache, v_cache, launch)
+
+
+def rotary_cached_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cache: KVCache,
+    layer: int,
+    launch: LaunchInputs,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """`cached_attention` of queries and keys rotated by `rotate_half`: where the cache has
+    the CPU kernel, the rotations and the K/V writes are one call of it (the same bits)."""
+    k_cache, v_cache = cache.k[layer], cache.v[layer]
+    kernel = cache.decode_kernel
+    if (
+        kernel is None
+        or not (kernel.supports(k_cache) and kernel.supports(v_cache))
+        or not q.dtype == k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
+        or not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous())
+    ):
+        q, k = rotate_half(q, cos, sin), rotate_half(k, cos, sin)
+        return cached_attention(q, k, v, cache, layer, launch, num_kv_heads)
+    batch, seq, heads, dim = q.shape
+    tokens = batch * seq
+    slots, positions = token_rows(launch)
+    kernel.rope_store(
+        q.view(tokens, heads, dim),
+        k.view(tokens, num_kv_heads, dim),
+        v.view(tokens, num_kv_heads, -1),
+        cos.reshape(tokens, dim),
+        sin.reshape(tokens, dim),
+        k_cache,
+        v_cache,
+        slots,
+        positions,
+    )
+    return kernel_attention(kernel, q, k_cache, v_cache, launch)
+
+
+def token_rows(launch: LaunchInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cache slot and position of every token of a launch, flattened [B * S]."""
+    if launch.packed:
+        assert launch.segment_slots is not None and launch.token_segments is not None
+        return launch.segment_slots[launch.token_segments], launch.positions[0]
+    seq = launch.positions.shape[1]
+    return launch.slot_ids.repeat_interleave(seq), launch.positions.reshape(-1)
+
+
+def kernel_attention(
+    kernel: DecodeKernel,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    launch: LaunchInputs,
+) -> torch.Tensor:
+    """The kernel's attention of q [B, S, H, D] over a cache that holds the launch's K/V."""
+    batch, seq, heads, head_dim = q.shape
+    scale = head_dim**-0.5
+    if not launch.packed and seq <= DECODE_KERNEL_MAX_SEQ:  # a row's queries share its keys
         return kernel(q, k_cache, v_cache, launch.slot_ids, launch.positions, launch.span, scale)
-    # a prefill chunk: each token a row of its own, so it sees exactly its own prefix
-    slots = launch.slot_ids.repeat_interleave(seq)
+    # prefill: each token a row of its own, so it sees exactly its own prefix
+    slots, positions = token_rows(launch)
     rows = q.reshape(batch * seq, 1, heads, head_dim)
-    out = kernel(rows, k_cache, v_cache, slots, launch.positions.reshape(-1, 1), launch.span, scale)
+    out = kernel(rows, k_cache, v_cache, slots, positions[:, None], launch.span, scale)
     return out.view(batch, seq, heads, -1)
 
 

@@ -14,9 +14,9 @@ from npu_worker.models.launch import KVCache, LaunchInputs, LaunchModel, LaunchO
 from npu_worker.models.layers import (
     RMSNorm,
     attend,
-    cached_attention,
     causal_mask,
     rope_inv_freq,
+    rotary_cached_attention,
     rotate_half,
 )
 
@@ -45,13 +45,15 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(batch, seq, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)
-        q, k = rotate_half(q, cos, sin), rotate_half(k, cos, sin)
         if cache is None:  # training: whole sequences, no cache
+            q, k = rotate_half(q, cos, sin), rotate_half(k, cos, sin)
             keys, values = k.transpose(1, 2), v.transpose(1, 2)
             visible = causal_mask(launch.positions, seq)
             out = attend(q, keys, values, visible, self.num_kv_heads)
             return self.o_proj(out.reshape(batch, seq, self.num_heads * self.head_dim))
-        out = cached_attention(q, k, v, cache, self.layer, launch, self.num_kv_heads)
+        out = rotary_cached_attention(
+            q, k, v, cos, sin, cache, self.layer, launch, self.num_kv_heads
+        )
         return self.o_proj(out.reshape(batch, seq, self.num_heads * self.head_dim))
 
 
