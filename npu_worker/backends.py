@@ -20,6 +20,7 @@ import torch
 from npu_worker.models.cpu_attention import load_decode_kernel
 from npu_worker.models.cpu_linear import pack_linears
 from npu_worker.models.launch import KVCache, LaunchInputs, LaunchModel, LaunchOutput
+from npu_worker.models.layers import CPU_KERNELS
 
 
 class LaunchBackend(Protocol):
@@ -63,10 +64,18 @@ class EagerBackend:
             self.name += "+packed-linears"
 
     def run(self, launch: LaunchInputs) -> LaunchOutput:
-        return self.model(launch, self.cache)
+        token = CPU_KERNELS.set(self.cache.decode_kernel)
+        try:
+            return self.model(launch, self.cache)
+        finally:
+            CPU_KERNELS.reset(token)
 
     def draft(self, launch: LaunchInputs, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.draft(launch, hidden, self.cache)
+        token = CPU_KERNELS.set(self.cache.decode_kernel)
+        try:
+            return self.model.draft(launch, hidden, self.cache)
+        finally:
+            CPU_KERNELS.reset(token)
 
 
 class CudaGraphBackend:

@@ -390,6 +390,44 @@ int rope_store(void *q, const void *k, const void *v, const float *cos, const fl
     free(wide);
     return 0;
 }
+
+/* out = weight * narrow(x * 1 / sqrt(mean(x^2) + eps)) for each of `rows` rows of `size`
+   (RMSNorm as Llama's reference computes it: float32 statistics, the normalised row rounded
+   to the tensor's dtype before the weight); x, weight and out in the same dtype. The sum of
+   squares runs over 16 lanes, then one fixed tree of them. */
+int rms_norm(const void *x, const void *weight, void *out, int rows, int size, float eps,
+             int dtype) {
+    float *wide = malloc((size_t)size * sizeof(float) * 2);
+    if (!wide) return 1;
+    float *w = wide + size;
+    if (dtype == 0) memcpy(w, weight, sizeof(float) * size);
+    else widen((const char *)weight, dtype, size, w);
+    size_t elem = dtype == 0 ? 4 : 2;
+    for (int r = 0; r < rows; r++) {
+        const char *src = (const char *)x + (size_t)r * size * elem;
+        const float *h = dtype == 0 ? (const float *)src : widen(src, dtype, size, wide);
+        float part[LANES] = {0};
+        int d = 0;
+        for (; d + LANES <= size; d += LANES)
+            for (int l = 0; l < LANES; l++) part[l] += h[d + l] * h[d + l];
+        for (int l = 0; d < size; d++, l++) part[l] += h[d] * h[d];
+        for (int width = LANES / 2; width > 0; width /= 2)
+            for (int l = 0; l < width; l++) part[l] += part[l + width];
+        float inv = 1.0f / sqrtf(part[0] / (float)size + eps);
+        char *dst = (char *)out + (size_t)r * size * elem;
+        if (dtype == 0)
+            for (d = 0; d < size; d++) ((float *)dst)[d] = w[d] * (h[d] * inv);
+        else
+            for (d = 0; d < size; d++) {
+                uint32_t bits = (uint32_t)narrow(h[d] * inv) << 16;
+                float normed;
+                memcpy(&normed, &bits, sizeof(float));
+                ((uint16_t *)dst)[d] = narrow(w[d] * normed);
+            }
+    }
+    free(wide);
+    return 0;
+}
 """
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -411,6 +449,10 @@ class DecodeKernel:
         self.store.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int] * 4 + [ctypes.c_int64] * 6
         self.store.argtypes += [ctypes.c_int]
         self.store.restype = ctypes.c_int
+        self.norm = library.rms_norm
+        self.norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2
+        self.norm.argtypes += [ctypes.c_float, ctypes.c_int]
+        self.norm.restype = ctypes.c_int
 
     def rope_store(
         self,
@@ -451,6 +493,25 @@ class DecodeKernel:
         )
         if failed:
             raise MemoryError("rope_store could not allocate its work buffer")
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of x's last dimension, as `layers.RMSNorm` computes it (float32
+        statistics, the normalised row rounded to x's dtype before the weight), in one
+        call; x contiguous, weight of x's dtype."""
+        out = torch.empty_like(x)
+        size = x.shape[-1]
+        failed = self.norm(
+            x.data_ptr(),
+            weight.data_ptr(),
+            out.data_ptr(),
+            x.numel() // size,
+            size,
+            eps,
+            DTYPE_CODES[x.dtype],
+        )
+        if failed:
+            raise MemoryError("rms_norm could not allocate its work buffer")
+        return out
 
     def supports(self, cache: torch.Tensor) -> bool:
         """True for a cache this kernel reads: CPU, float32 or bfloat16, channels contiguous."""

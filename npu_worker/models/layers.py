@@ -5,6 +5,7 @@ logits do not depend on its launch: docs/architecture.md §2)."""
 from __future__ import annotations
 
 import math
+from contextvars import ContextVar
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,6 +23,11 @@ if TYPE_CHECKING:
 DECODE_KERNEL_MAX_SEQ = 4
 
 
+# The CPU kernels of the launch running in this context: set by the eager backend around
+# each launch where the cache has them, so layers without the cache (RMSNorm) use them too.
+CPU_KERNELS: ContextVar[DecodeKernel | None] = ContextVar("cpu_kernels", default=None)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -29,6 +35,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernel = CPU_KERNELS.get()
+        if (
+            kernel is not None
+            and kernel.supports(x)
+            and x.is_contiguous()
+            and x.dtype == self.weight.dtype
+        ):
+            return kernel.rms_norm(x, self.weight.detach(), self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
