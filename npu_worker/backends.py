@@ -50,6 +50,7 @@ class EagerBackend:
         cache: KVCache,
         decode_kernel: bool = False,
         packed_linears: bool = True,
+        max_rows: int = 128,
     ) -> None:
         self.model, self.cache = model, cache
         if cache.device.type != "cpu":
@@ -59,7 +60,7 @@ class EagerBackend:
             if cache.decode_kernel is not None:
                 self.name += "+decode-kernel"
         if packed_linears:
-            pack_linears(model)
+            pack_linears(model, max_rows)
         if any(getattr(m, "packed_weight", None) is not None for m in model.modules()):
             self.name += "+packed-linears"
 
@@ -200,6 +201,7 @@ def make_backend(
     cuda_graphs: bool = True,
     decode_kernel: bool = True,
     packed_linears: bool = True,
+    max_rows: int = 128,
 ) -> LaunchBackend:
     """The backend for a device: graphs on CUDA (unless disabled), torch_npu on NPU, else
     eager (on the CPU with the decode kernel, unless disabled)."""
@@ -207,4 +209,4 @@ def make_backend(
         return CudaGraphBackend(model, cache)
     if device.type == "npu":
         return NpuBackend(model, cache)
-    return EagerBackend(model, cache, decode_kernel, packed_linears)
+    return EagerBackend(model, cache, decode_kernel, packed_linears, max_rows)

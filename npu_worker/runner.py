@@ -94,8 +94,9 @@ class LaunchRunner:
         num_slots = shapes.num_slots
         self.cache = model.new_cache(num_slots, shapes.max_kv_len)
         self.device = self.cache.device
+        max_rows = max(prefill_chunk, decode_batch * (2 if self.mtp else 1))  # rows a launch
         self.backend = make_backend(
-            model, self.cache, self.device, cuda_graphs, decode_kernel, packed_linears
+            model, self.cache, self.device, cuda_graphs, decode_kernel, packed_linears, max_rows
         )
         # graph backends capture one shape per span, so spans are whole prefill chunks;
         # eager ones capture nothing and read only as far as the context needs

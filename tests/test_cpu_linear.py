@@ -1,6 +1,7 @@
 """bfloat16 linear layers on packed oneDNN weights (npu_worker/models/cpu_linear.py): the
-same bits as unpacked ones in every launch kind, and a row's logits still do not depend on
-what shares its launch; float32 layers are left as they are."""
+same bits as unpacked ones at every row count, a gated MLP's activation and product fused
+into them where that keeps a row's bits whatever its row count, and a row's logits still
+do not depend on what shares its launch; float32 layers are left as they are."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import random
 import pytest
 import torch
 
-from npu_worker.models.cpu_linear import pack_linears, packing_available
+from npu_worker.models.cpu_linear import gated_product, pack_linears, packing_available
 from npu_worker.models.loader import LoadedModel, load_model
 from npu_worker.models.presets import resolve_model_dir
 from npu_worker.runner import LaunchRunner
@@ -46,16 +47,45 @@ def launches(loaded: LoadedModel, packed: bool) -> list[torch.Tensor]:
 
 
 def test_packed_bfloat16_linears_give_the_unpacked_bits() -> None:
+    """Every packed layer of the model, at every row count a launch passes it."""
+    loaded = tiny("bfloat16")
+    linears = [m for m in loaded.model.modules() if isinstance(m, torch.nn.Linear)]
+    plain = {id(m): m.weight.detach().clone() for m in linears}
+    assert pack_linears(loaded.model) == len(linears)
+    generator = torch.Generator().manual_seed(4)
+    for module in linears:
+        x = torch.randn(128, module.in_features, generator=generator).bfloat16()
+        for rows in range(1, 129):
+            want = torch.nn.functional.linear(x[:rows], plain[id(module)], module.bias)
+            assert torch.equal(module(x[:rows]), want), f"{module} at {rows} rows"
+
+
+def test_packed_launches_agree_with_unpacked_ones() -> None:
+    """With the gated product fused into oneDNN's products (rounded once instead of twice),
+    packed launches are no longer the unpacked bits, but within bfloat16's rounding."""
     loaded = tiny("bfloat16")
     plain = launches(loaded, packed=False)
     packed = launches(loaded, packed=True)
-    assert all(
-        getattr(m, "packed_weight", None) is not None
-        for m in loaded.model.modules()
-        if isinstance(m, torch.nn.Linear)
-    )
     for i, (want, got) in enumerate(zip(plain, packed)):
-        assert torch.equal(want, got), f"launch {i}"
+        torch.testing.assert_close(got, want, rtol=0.01, atol=0.1, msg=f"launch {i}")
+
+
+def test_the_fused_gated_product_is_silu_times_up_and_row_invariant() -> None:
+    loaded = tiny("bfloat16")
+    pack_linears(loaded.model)
+    mlp = loaded.model.model.layers[0].mlp
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(128, mlp.gate_proj.in_features, generator=generator).bfloat16()
+    fused = gated_product(mlp.gate_proj, mlp.up_proj, x)
+    assert fused is not None  # proven row-invariant for this shape on this machine
+    gate, up = mlp.gate_proj(x).float(), mlp.up_proj(x).float()
+    torch.testing.assert_close(
+        fused.float(), torch.nn.functional.silu(gate) * up, rtol=0.02, atol=0.02
+    )
+    for rows in range(1, 128):
+        assert torch.equal(gated_product(mlp.gate_proj, mlp.up_proj, x[:rows]), fused[:rows])
+    float32 = tiny("float32").model.model.layers[0].mlp
+    assert gated_product(float32.gate_proj, float32.up_proj, x.float()) is None
 
 
 def test_a_rows_bfloat16_logits_do_not_depend_on_its_launch_with_packed_linears() -> None:

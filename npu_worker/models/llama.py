@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from npu_worker.models.config import ModelConfig
+from npu_worker.models.cpu_linear import gated_product
 from npu_worker.models.launch import KVCache, LaunchInputs, LaunchModel, LaunchOutput
 from npu_worker.models.layers import (
     RMSNorm,
@@ -65,7 +66,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        hidden = gated_product(self.gate_proj, self.up_proj, x)
+        if hidden is None:
+            hidden = F.silu(self.gate_proj(x)) * self.up_proj(x)
+        return self.down_proj(hidden)
 
 
 class DecoderLayer(nn.Module):
