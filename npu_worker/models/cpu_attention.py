@@ -203,7 +203,8 @@ static inline __m512 partial64(const __m512 *qv, const char *row, int dtype) {
 /* scores of `nq` queries of 64 channels against keys 0..n[j], 16 keys at a time, with no
    horizontal sum per key: `q` float32 [nq, 64], `qh` the same queries as bfloat16 */
 static void score_keys64(const float *q, const uint16_t *qh, int nq, const int *n, int longest,
-                         const char *k, int64_t k_step, int dtype, float scale, float *scores) {
+                         const char *k, int64_t k_step, int dtype, float scale, float *scores,
+                         const char *v, int64_t v_step) {
     size_t elem = dtype == 0 ? 4 : 2;
     for (int j = 0; j < nq; j++) {
         __m512 qv[4];
@@ -217,6 +218,10 @@ static void score_keys64(const float *q, const uint16_t *qh, int nq, const int *
         for (int t0 = 0; t0 < n[j]; t0 += LANES) {
             int m = n[j] - t0 < LANES ? n[j] - t0 : LANES;
             __m512 part[LANES];
+            if (j == 0 && v != NULL) /* the block's value rows, read after the softmax */
+                for (int i = 0; i < m; i++)
+                    for (size_t line = 0; line < 64 * elem; line += 64)
+                        _mm_prefetch(v + (size_t)(t0 + i) * v_step * elem + line, _MM_HINT_T0);
             for (int i = 0; i < LANES; i++)
                 part[i] = i < m ? partial64(qv, k + (size_t)(t0 + i) * k_step * elem, dtype)
                                 : _mm512_setzero_ps();
@@ -256,7 +261,7 @@ static void attend_row(const float *q, const uint16_t *qh, int queries, const in
             int nq = queries - i < MAX_QUERIES ? queries - i : MAX_QUERIES, n[MAX_QUERIES];
             for (int j = 0; j < nq; j++) n[j] = (int)limit[(i + j) / group];
             score_keys64(q + (size_t)i * dim, qh + (size_t)i * dim, nq, n, longest, k, k_step,
-                         dtype, scale, scores + (size_t)i * longest);
+                         dtype, scale, scores + (size_t)i * longest, i == 0 ? v : NULL, v_step);
         }
         t = longest;
     }
