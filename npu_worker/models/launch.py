@@ -38,11 +38,24 @@ class LaunchInputs:
     segment_slots: torch.Tensor | None = None  # [segments], packed launches only
     token_segments: torch.Tensor | None = None  # [S], packed launches only
     packed_keys: torch.Tensor | None = None  # [3, K]: key slots, positions, segments (eager)
+    rows: tuple[torch.Tensor, torch.Tensor] | None = None  # token_rows(), once per launch
 
     @property
     def packed(self) -> bool:
         """True for a launch carrying several requests' segments."""
         return self.segment_slots is not None
+
+    def token_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cache slot and position of every token, flattened [B * S] (computed once,
+        then shared by every layer)."""
+        if self.rows is None:
+            if self.packed:
+                assert self.segment_slots is not None and self.token_segments is not None
+                self.rows = self.segment_slots[self.token_segments], self.positions[0]
+            else:
+                seq = self.positions.shape[1]
+                self.rows = self.slot_ids.repeat_interleave(seq), self.positions.reshape(-1)
+        return self.rows
 
 
 @dataclass(slots=True)

@@ -104,7 +104,7 @@ def cached_attention(
         keys, values, visible = cached_keys(k_cache, v_cache, k, v, launch)
         return attend(q, keys, values, visible, num_kv_heads)
     if launch.packed:
-        slots, positions = token_rows(launch)
+        slots, positions = launch.token_rows()
         k_cache[slots, :, positions] = k[0].to(k_cache.dtype)
         v_cache[slots, :, positions] = v[0].to(v_cache.dtype)
     else:
@@ -137,7 +137,7 @@ def rotary_cached_attention(
         return cached_attention(q, k, v, cache, layer, launch, num_kv_heads)
     batch, seq, heads, dim = q.shape
     tokens = batch * seq
-    slots, positions = token_rows(launch)
+    slots, positions = launch.token_rows()
     kernel.rope_store(
         q.view(tokens, heads, dim),
         k.view(tokens, num_kv_heads, dim),
@@ -150,15 +150,6 @@ def rotary_cached_attention(
         positions,
     )
     return kernel_attention(kernel, q, k_cache, v_cache, launch)
-
-
-def token_rows(launch: LaunchInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """The cache slot and position of every token of a launch, flattened [B * S]."""
-    if launch.packed:
-        assert launch.segment_slots is not None and launch.token_segments is not None
-        return launch.segment_slots[launch.token_segments], launch.positions[0]
-    seq = launch.positions.shape[1]
-    return launch.slot_ids.repeat_interleave(seq), launch.positions.reshape(-1)
 
 
 def kernel_attention(
@@ -174,7 +165,7 @@ def kernel_attention(
     if not launch.packed and seq <= DECODE_KERNEL_MAX_SEQ:  # a row's queries share its keys
         return kernel(q, k_cache, v_cache, launch.slot_ids, launch.positions, launch.span, scale)
     # prefill: each token a row of its own, so it sees exactly its own prefix
-    slots, positions = token_rows(launch)
+    slots, positions = launch.token_rows()
     rows = q.reshape(batch * seq, 1, heads, head_dim)
     out = kernel(rows, k_cache, v_cache, slots, positions[:, None], launch.span, scale)
     return out.view(batch, seq, heads, -1)
