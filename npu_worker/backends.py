@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
-from npu_worker.models.cpu_attention import load_decode_kernel
+from npu_worker.models.cpu_kernels import load_cpu_kernels
 from npu_worker.models.cpu_linear import pack_linears
 from npu_worker.models.launch import KVCache, LaunchInputs, LaunchModel, LaunchOutput
 from npu_worker.models.layers import CPU_KERNELS
@@ -56,7 +56,7 @@ class EagerBackend:
         if cache.device.type != "cpu":
             return
         if decode_kernel:
-            cache.decode_kernel = load_decode_kernel()
+            cache.decode_kernel = load_cpu_kernels()
             if cache.decode_kernel is not None:
                 self.name += "+decode-kernel"
         if packed_linears:

@@ -85,9 +85,10 @@ class Settings(BaseSettings):
     )
     decode_kernel: bool = Field(
         default=True,
-        description="CPU: decode and verify attention in a small C kernel (built with the "
-        "system's compiler on first use) reading each row's own keys; off, or no compiler: "
-        "batched matrix products over the launch's span",
+        description="CPU: attention (decode, verify and prefill), RoPE with the K/V writes "
+        "and RMSNorm in a small C library (built with the system's compiler on first use), "
+        "each query reading its own keys; off, or no compiler: batched matrix products over "
+        "the launch's span and plain torch operations",
     )
     mtp: bool = Field(default=False, description="decode with MTP drafts (K=1)")
     lockstep: bool = Field(default=False, description="every rank runs the same launches")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from npu_worker.devices import auto_dtype, cpu_has_native_bf16
-from npu_worker.models.cpu_attention import DecodeKernel, load_decode_kernel
+from npu_worker.models.cpu_kernels import CpuKernels, load_cpu_kernels
 from npu_worker.models.launch import LaunchInputs
 from npu_worker.models.layers import attend, causal_mask, rotate_half
 from npu_worker.models.loader import LoadedModel
@@ -24,8 +24,8 @@ SCRATCH = POSITIONS - 1
 
 
 @pytest.fixture(scope="module")
-def kernel() -> DecodeKernel:
-    built = load_decode_kernel()
+def kernel() -> CpuKernels:
+    built = load_cpu_kernels()
     if built is None:
         pytest.skip("no C compiler on this machine")
     return built
@@ -58,7 +58,7 @@ def masked_reference(
 @pytest.mark.parametrize("seq", [1, 2])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (9, 3), (4, 4)])
 def test_kernel_matches_masked_attention_over_the_span(
-    kernel: DecodeKernel, dim: int, seq: int, heads: int, kv_heads: int
+    kernel: CpuKernels, dim: int, seq: int, heads: int, kv_heads: int
 ) -> None:
     k, v = random_cache(heads, kv_heads, dim, torch.float32, seed=dim + seq + heads)
     q = torch.randn(4, seq, heads, dim, generator=torch.Generator().manual_seed(1))
@@ -70,7 +70,7 @@ def test_kernel_matches_masked_attention_over_the_span(
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=2e-6)
 
 
-def test_kernel_reads_bfloat16_caches(kernel: DecodeKernel) -> None:
+def test_kernel_reads_bfloat16_caches(kernel: CpuKernels) -> None:
     k, v = random_cache(9, 3, 64, torch.bfloat16, seed=7)
     q = torch.randn(3, 2, 9, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
     slots, positions = torch.tensor([2, 4, 1]), torch.tensor([[5, 6], [99, 100], [200, 201]])
@@ -80,7 +80,7 @@ def test_kernel_reads_bfloat16_caches(kernel: DecodeKernel) -> None:
     torch.testing.assert_close(ours.float(), theirs, rtol=1e-2, atol=1e-2)
 
 
-def test_padding_rows_see_no_keys_and_get_zeros(kernel: DecodeKernel) -> None:
+def test_padding_rows_see_no_keys_and_get_zeros(kernel: CpuKernels) -> None:
     k, v = random_cache(4, 2, 64, torch.float32, seed=3)
     q = torch.randn(2, 2, 4, 64)
     positions = torch.tensor([[SCRATCH, SCRATCH], [40, SCRATCH]])
@@ -93,7 +93,7 @@ def test_padding_rows_see_no_keys_and_get_zeros(kernel: DecodeKernel) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dim", [64, 16])
 def test_a_rows_output_is_bit_identical_whatever_span_or_neighbours(
-    kernel: DecodeKernel, dtype: torch.dtype, dim: int
+    kernel: CpuKernels, dtype: torch.dtype, dim: int
 ) -> None:
     k, v = random_cache(9, 3, dim, dtype, seed=11)
     generator = torch.Generator().manual_seed(5)
@@ -134,7 +134,7 @@ def decode_logits(loaded: LoadedModel, decode_kernel: bool) -> tuple[LaunchRunne
 
 
 def test_cpu_decode_launches_run_the_kernel_and_agree_with_batched_products(
-    kernel: DecodeKernel, loaded: LoadedModel
+    kernel: CpuKernels, loaded: LoadedModel
 ) -> None:
     with_kernel, ours = decode_logits(loaded, decode_kernel=True)
     without, theirs = decode_logits(loaded, decode_kernel=False)
@@ -150,7 +150,7 @@ def test_without_a_working_compiler_launches_fall_back_to_batched_products(
     loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch, compiler: str
 ) -> None:
     monkeypatch.setenv("CC", compiler)
-    assert load_decode_kernel() is None
+    assert load_cpu_kernels() is None
     runner, logits = decode_logits(loaded, decode_kernel=True)
     assert runner.cache.decode_kernel is None
     assert runner.backend.name == "eager"
@@ -176,7 +176,7 @@ def loaded_bf16() -> LoadedModel:
 
 
 def test_bfloat16_decode_rows_are_bit_identical_alone_or_together(
-    kernel: DecodeKernel, loaded_bf16: LoadedModel
+    kernel: CpuKernels, loaded_bf16: LoadedModel
 ) -> None:
     runner, together = decode_logits(loaded_bf16, decode_kernel=True)
     assert runner.cache.k[0].dtype == torch.bfloat16
@@ -192,7 +192,7 @@ def test_bfloat16_decode_rows_are_bit_identical_alone_or_together(
 
 
 def test_bfloat16_decode_logits_are_bit_identical_whatever_span_or_layout(
-    kernel: DecodeKernel, loaded_bf16: LoadedModel
+    kernel: CpuKernels, loaded_bf16: LoadedModel
 ) -> None:
     shapes = launch_shapes(8, SETTINGS.max_kv_len, SETTINGS.prefill_chunk, 4)
     runner = LaunchRunner(loaded_bf16.model, shapes)
@@ -221,7 +221,7 @@ def test_bfloat16_decode_logits_are_bit_identical_whatever_span_or_layout(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_store_is_rotate_half_and_write_cache_bit_for_bit(
-    kernel: DecodeKernel, dtype: torch.dtype
+    kernel: CpuKernels, dtype: torch.dtype
 ) -> None:
     generator = torch.Generator().manual_seed(9)
     tokens, heads, kv_heads, dim = 7, 9, 3, 64
@@ -247,7 +247,7 @@ def test_rope_store_is_rotate_half_and_write_cache_bit_for_bit(
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_prefilled_prompt_gives_the_logits_of_decoding_it_token_by_token(
-    kernel: DecodeKernel, dtype: str
+    kernel: CpuKernels, dtype: str
 ) -> None:
     """Prefill chunks pass each token to the kernel as a row of its own, so the prompt's last
     logits are those of feeding it one decode launch at a time: bit for bit in bfloat16,

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from npu_worker.models.cpu_attention import DecodeKernel
+    from npu_worker.models.cpu_kernels import CpuKernels
 
 
 @dataclass(slots=True)
@@ -99,7 +99,7 @@ class KVCache:
         self.device = device
         # set by a backend that runs decode attention as its own kernel (CPU: each row's
         # own keys in place); None: batched matrix products over the span
-        self.decode_kernel: DecodeKernel | None = None
+        self.decode_kernel: CpuKernels | None = None
 
     @property
     def bytes_per_token(self) -> int:

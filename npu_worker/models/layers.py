@@ -15,7 +15,7 @@ from npu_worker.models.config import ModelConfig
 from npu_worker.models.launch import KVCache, LaunchInputs
 
 if TYPE_CHECKING:
-    from npu_worker.models.cpu_attention import DecodeKernel
+    from npu_worker.models.cpu_kernels import CpuKernels
 
 # Launches of at most this many tokens a row (decode S1, MTP verify and draft S2) pass the
 # attention kernel their rows as they are (a row's queries share one pass over its keys);
@@ -25,7 +25,7 @@ DECODE_KERNEL_MAX_SEQ = 4
 
 # The CPU kernels of the launch running in this context: set by the eager backend around
 # each launch where the cache has them, so layers without the cache (RMSNorm) use them too.
-CPU_KERNELS: ContextVar[DecodeKernel | None] = ContextVar("cpu_kernels", default=None)
+CPU_KERNELS: ContextVar[CpuKernels | None] = ContextVar("cpu_kernels", default=None)
 
 
 class RMSNorm(nn.Module):
@@ -153,7 +153,7 @@ def rotary_cached_attention(
 
 
 def kernel_attention(
-    kernel: DecodeKernel,
+    kernel: CpuKernels,
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,

@@ -1,8 +1,9 @@
-"""Decode attention on the CPU that reads each row's own live keys once.
+"""The CPU kernels of a launch: attention over the cache that reads each query's own live
+keys once, RoPE with the K/V writes, and RMSNorm, each in one call.
 
 Batched matrix products over a launch's whole span read every row's keys up to the longest
 context in the launch, and at the shapes of a decode launch (a few query heads per KV head)
-they run far below the memory's bandwidth. This kernel walks each (row, KV head) over
+they run far below the memory's bandwidth. The attention walks each (row, KV head) over
 its slot's keys `0..position` in place in the cache, once for all the queries that share
 them: a dot product per key, a softmax, a weighted sum of the values, each in one fixed
 order that depends only on the row's own context. The dot products are summed 16 keys at
@@ -12,10 +13,15 @@ Prefill chunks pass every token as a row of its own (layers.py), so a prompt tok
 attention is computed exactly as its decode would be. So a row's output is bit-identical
 whatever else shares its launch and whatever span the launch reads (docs/architecture.md §2).
 
-It is a few dozen lines of C, built once per machine with the system's C compiler into the
-npu-pool cache (keyed by its source, the compiler and the CPU) and called through ctypes,
-which releases the GIL while it runs. Where there is no compiler or the build fails,
-`load_decode_kernel` returns None and launches keep the batched-matrix path.
+`rope_store` rotates a launch's queries and keys and writes K/V into the cache (the bits of
+`rotate_half` and the indexed writes: no fused multiply-adds, -ffp-contract=off), and
+`rms_norm` is Llama's RMSNorm (in bfloat16 the bits of the torch path): each replaces a
+dozen small torch operations a layer, whose dispatch cost as much as their arithmetic.
+
+The C is built once per machine with the system's C compiler into the npu-pool cache
+(keyed by its source, the compiler and the CPU) and called through ctypes, which releases
+the GIL while it runs. Where there is no compiler or the build fails, `load_cpu_kernels`
+returns None and launches keep the batched-matrix path and plain torch operations.
 """
 
 from __future__ import annotations
@@ -439,8 +445,9 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 
 
-class DecodeKernel:
-    """The built kernel: attention of a decode (or verify) launch's queries over the cache."""
+class CpuKernels:
+    """The built library: attention of a launch's queries over the cache (`__call__`),
+    RoPE with the K/V writes (`rope_store`) and RMSNorm (`rms_norm`)."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self.call = library.decode_attention
@@ -561,22 +568,22 @@ class DecodeKernel:
             torch.get_num_threads(),
         )
         if failed:
-            raise MemoryError("decode attention could not allocate its work buffers")
+            raise MemoryError("CPU attention could not allocate its work buffers")
         return out.to(q.dtype)
 
 
-def load_decode_kernel() -> DecodeKernel | None:
+def load_cpu_kernels() -> CpuKernels | None:
     """The kernel, built on first use into the cache; None (with the reason logged once)
     where this machine cannot build or load it."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        log.info("decode attention: no C compiler found; using batched matrix products")
+        log.info("CPU kernels: no C compiler found; using batched matrix products")
         return None
     try:
-        return DecodeKernel(ctypes.CDLL(str(_built(compiler))))
+        return CpuKernels(ctypes.CDLL(str(_built(compiler))))
     except (OSError, subprocess.SubprocessError) as exc:
         log.warning(
-            "decode attention: building the CPU kernel failed (%s); using batched matrix products",
+            "CPU kernels: building them failed (%s); using batched matrix products",
             exc,
         )
         return None
@@ -591,12 +598,12 @@ def _built(compiler: str) -> Path:
     key = hashlib.sha256(
         "\0".join([SOURCE, compiler, version, *FLAGS, platform.machine(), _cpu_flags()]).encode()
     ).hexdigest()[:16]
-    target = cache_dir() / "kernels" / f"decode_attention-{key}.so"
+    target = cache_dir() / "kernels" / f"cpu_kernels-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        source = Path(scratch) / "decode_attention.c"
+        source = Path(scratch) / "cpu_kernels.c"
         source.write_text(SOURCE)
         built = Path(scratch) / target.name
         result = subprocess.run(
