@@ -13,7 +13,7 @@ import torch
 from npu_worker.devices import auto_dtype, cpu_has_native_bf16
 from npu_worker.models.cpu_kernels import CpuKernels, load_cpu_kernels
 from npu_worker.models.launch import LaunchInputs
-from npu_worker.models.layers import attend, causal_mask, rotate_half
+from npu_worker.models.layers import RMSNorm, attend, causal_mask, rotate_half
 from npu_worker.models.loader import LoadedModel
 from npu_worker.runner import LaunchRunner
 from schemas.config import Settings
@@ -265,3 +265,21 @@ def test_a_prefilled_prompt_gives_the_logits_of_decoding_it_token_by_token(
         assert torch.equal(logits[0], by_decode[0])
     else:  # MKL's float32 products differ in their last bits between 1 row and 128
         torch.testing.assert_close(logits[0], by_decode[0], rtol=1e-5, atol=1e-5)
+
+
+def test_rms_norm_is_the_torch_rms_norm(kernel: CpuKernels) -> None:
+    """bit for bit in bfloat16 (a NaN row stays NaN); float32 to its rounding."""
+    generator = torch.Generator().manual_seed(12)
+    for dtype in (torch.bfloat16, torch.float32):
+        norm = RMSNorm(576, 1e-5).to(dtype)
+        norm.weight.data = torch.randn(576, generator=generator).to(dtype)
+        x = torch.randn(33, 1, 576, generator=generator).to(dtype)
+        x[3, 0, 7] = float("nan")
+        with torch.no_grad():
+            expected = norm(x)
+        ours = kernel.rms_norm(x, norm.weight.detach(), 1e-5)
+        if dtype == torch.bfloat16:
+            assert torch.equal(ours.isnan(), expected.isnan())
+            assert torch.equal(ours.nan_to_num(), expected.nan_to_num())
+        else:
+            torch.testing.assert_close(ours, expected, equal_nan=True)
