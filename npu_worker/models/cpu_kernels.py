@@ -96,8 +96,12 @@ static inline float exp_nonpositive(float x) {
     x = x > -87.0f ? x : -87.0f;
     float k = (x * 1.44269504f + 12582912.0f) - 12582912.0f; /* round to nearest */
     float r = x - k * 0.693145752f - k * 1.42860677e-6f;
-    float p = 1.0f + r * (1.0f + r * (0.5f + r * (0.166666672f + r * (0.0416666679f
-              + r * (0.00833333377f + r * 0.00138888892f)))));
+    float p = fmaf(r, 0.00138888892f, 0.00833333377f); /* Horner, fused (-ffp-contract=off) */
+    p = fmaf(p, r, 0.0416666679f);
+    p = fmaf(p, r, 0.166666672f);
+    p = fmaf(p, r, 0.5f);
+    p = fmaf(p, r, 1.0f);
+    p = fmaf(p, r, 1.0f);
     int32_t bits = ((int32_t)k + 127) << 23;
     float scale;
     memcpy(&scale, &bits, sizeof(float));
@@ -206,8 +210,32 @@ static inline __m512 partial64(const __m512 *qv, const char *row, int dtype) {
     return _mm512_add_ps(even, odd);
 }
 
-/* scores of `nq` queries of 64 channels against keys 0..n[j], 16 keys at a time, with no
-   horizontal sum per key: `q` float32 [nq, 64], `qh` the same queries as bfloat16 */
+/* float32 keys: each key row loaded once for all `nq` queries (held in registers), one
+   horizontal sum per query and key; four loads a key cost more than the sums */
+static void score_keys64_f32(const float *q, int nq, const int *n, int longest, const char *k,
+                             int64_t k_step, float scale, float *scores) {
+    __m512 qv[MAX_QUERIES][4];
+    for (int j = 0; j < MAX_QUERIES; j++)
+        for (int c = 0; c < 4; c++)
+            qv[j][c] = j < nq ? _mm512_loadu_ps(q + j * 64 + 16 * c) : _mm512_setzero_ps();
+    for (int t = 0; t < longest; t++) {
+        const float *row = (const float *)k + (size_t)t * k_step;
+        __m512 x[4];
+        for (int c = 0; c < 4; c++) x[c] = _mm512_loadu_ps(row + 16 * c);
+        for (int j = 0; j < MAX_QUERIES; j++) {
+            if (j >= nq) break;
+            if (t >= n[j]) continue;
+            __m512 even = _mm512_fmadd_ps(qv[j][2], x[2], _mm512_mul_ps(qv[j][0], x[0]));
+            __m512 odd = _mm512_fmadd_ps(qv[j][3], x[3], _mm512_mul_ps(qv[j][1], x[1]));
+            float sum = _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
+            scores[(size_t)j * longest + t] = sum * scale;
+        }
+    }
+}
+
+/* bfloat16 keys: scores of `nq` queries of 64 channels against keys 0..n[j], 16 keys at a
+   time with no horizontal sum per key (`q` float32 [nq, 64], `qh` the same queries as
+   bfloat16), the block's value rows fetched meanwhile when `v` is given */
 static void score_keys64(const float *q, const uint16_t *qh, int nq, const int *n, int longest,
                          const char *k, int64_t k_step, int dtype, float scale, float *scores,
                          const char *v, int64_t v_step) {
@@ -285,7 +313,11 @@ static void attend_row(const float *q, const uint16_t *qh, int queries, const in
         for (int i = 0; i < queries; i += MAX_QUERIES) {
             int nq = queries - i < MAX_QUERIES ? queries - i : MAX_QUERIES, n[MAX_QUERIES];
             for (int j = 0; j < nq; j++) n[j] = (int)limit[(i + j) / group];
-            score_keys64(q + (size_t)i * dim, qh + (size_t)i * dim, nq, n, longest, k, k_step,
+            if (dtype == 0)
+                score_keys64_f32(q + (size_t)i * dim, nq, n, longest, k, k_step, scale,
+                                 scores + (size_t)i * longest);
+            else
+                score_keys64(q + (size_t)i * dim, qh + (size_t)i * dim, nq, n, longest, k, k_step,
                          dtype, scale, scores + (size_t)i * longest, i == 0 ? v : NULL, v_step);
         }
         t = longest;
