@@ -10,7 +10,12 @@ import random
 import pytest
 import torch
 
-from npu_worker.models.cpu_linear import gated_product, pack_linears, packing_available
+from npu_worker.models.cpu_linear import (
+    gated_fusion_invariant,
+    gated_product,
+    pack_linears,
+    packing_available,
+)
 from npu_worker.models.loader import LoadedModel, load_model
 from npu_worker.models.presets import resolve_model_dir
 from npu_worker.runner import LaunchRunner
@@ -77,7 +82,11 @@ def test_the_fused_gated_product_is_silu_times_up_and_row_invariant() -> None:
     generator = torch.Generator().manual_seed(2)
     x = torch.randn(128, mlp.gate_proj.in_features, generator=generator).bfloat16()
     fused = gated_product(mlp.gate_proj, mlp.up_proj, x)
-    assert fused is not None  # proven row-invariant for this shape on this machine
+    shape = (mlp.gate_proj.in_features, mlp.gate_proj.out_features, 128)
+    if not gated_fusion_invariant(*shape):  # this machine's oneDNN sums some row count apart
+        assert fused is None
+        return
+    assert fused is not None
     gate, up = mlp.gate_proj(x).float(), mlp.up_proj(x).float()
     torch.testing.assert_close(
         fused.float(), torch.nn.functional.silu(gate) * up, rtol=0.02, atol=0.02
