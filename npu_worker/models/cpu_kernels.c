@@ -1,0 +1,456 @@
+/* The CPU kernels of npu-pool (cpu_kernels.py builds this file with the system's C compiler
+   and calls it through ctypes): attention over the KV cache that reads each query's own
+   keys once, RoPE with the K/V writes, and RMSNorm. Every sum runs in one fixed order that
+   depends only on its own row, so a row's results do not depend on what shares its launch. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#define LANES 16
+#define MAX_QUERIES 4 /* queries a pass over a row's values serves (their sums in registers) */
+
+/* keys and values are float32 (dtype 0) or bfloat16 (dtype 1): a bfloat16 is the top half
+   of a float32, so widening one is a shift */
+static inline const float *widen(const char *src, int dtype, int n, float *dst) {
+    if (dtype == 0) return (const float *)src;
+    const uint16_t *h = (const uint16_t *)src;
+    for (int i = 0; i < n; i++) {
+        uint32_t bits = (uint32_t)h[i] << 16;
+        memcpy(dst + i, &bits, sizeof(float));
+    }
+    return dst;
+}
+
+/* a . b: independent partial sums, then one fixed order of adding them */
+static inline float dot(const float *a, const float *b, int n) {
+#ifdef __AVX512F__
+    if (n % 32 == 0) {
+        __m512 even = _mm512_setzero_ps(), odd = even;
+        for (int d = 0; d < n; d += 32) {
+            even = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), even);
+            odd = _mm512_fmadd_ps(_mm512_loadu_ps(a + d + 16), _mm512_loadu_ps(b + d + 16), odd);
+        }
+        return _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
+    }
+#endif
+    float part[LANES] = {0};
+    int d = 0;
+    for (; d + LANES <= n; d += LANES)
+        for (int l = 0; l < LANES; l++) part[l] += a[d + l] * b[d + l];
+    for (int l = 0; d < n; d++, l++) part[l] += a[d] * b[d];
+    for (int width = LANES / 2; width > 0; width /= 2)
+        for (int l = 0; l < width; l++) part[l] += part[l + width];
+    return part[0];
+}
+
+/* e^x for x <= 0 (softmax after subtracting the maximum), as straight-line arithmetic the
+   compiler vectorizes: x = k ln2 + r (|r| <= ln2 / 2), e^r by its Taylor polynomial, 2^k
+   into the exponent */
+static inline float exp_nonpositive(float x) {
+    x = x > -87.0f ? x : -87.0f;
+    float k = (x * 1.44269504f + 12582912.0f) - 12582912.0f; /* round to nearest */
+    float r = x - k * 0.693145752f - k * 1.42860677e-6f;
+    float p = fmaf(r, 0.00138888892f, 0.00833333377f); /* Horner, fused (-ffp-contract=off) */
+    p = fmaf(p, r, 0.0416666679f);
+    p = fmaf(p, r, 0.166666672f);
+    p = fmaf(p, r, 0.5f);
+    p = fmaf(p, r, 1.0f);
+    p = fmaf(p, r, 1.0f);
+    int32_t bits = ((int32_t)k + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof(float));
+    return p * scale;
+}
+
+/* softmax numerators of row[0..n) in place, zeros on to `width`; returns their sum */
+static float softmax_row(float *row, int n, int width) {
+    float top[LANES], part[LANES] = {0};
+    for (int l = 0; l < LANES; l++) top[l] = -INFINITY;
+    int t = 0;
+    for (; t + LANES <= n; t += LANES)
+        for (int l = 0; l < LANES; l++) top[l] = row[t + l] > top[l] ? row[t + l] : top[l];
+    for (int l = 0; t < n; t++, l++) top[l] = row[t] > top[l] ? row[t] : top[l];
+    float most = top[0];
+    for (int l = 1; l < LANES; l++) most = top[l] > most ? top[l] : most;
+    for (t = 0; t < n; t++) row[t] = exp_nonpositive(row[t] - most);
+    for (t = n; t < width; t++) row[t] = 0.0f;
+    for (t = 0; t + LANES <= n; t += LANES)
+        for (int l = 0; l < LANES; l++) part[l] += row[t + l];
+    for (int l = 0; t < n; t++, l++) part[l] += row[t];
+    for (int width = LANES / 2; width > 0; width /= 2)
+        for (int l = 0; l < width; l++) part[l] += part[l + width];
+    return part[0];
+}
+
+#ifdef __AVX512F__
+/* 16 channels of a value row, widened to float32 */
+static inline __m512 load16(const char *row, int dtype) {
+    if (dtype == 0) return _mm512_loadu_ps((const float *)row);
+    __m256i half = _mm256_loadu_si256((const __m256i *)row);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+#endif
+
+/* acc[j][0..vdim) = sum over t < n of p[j][t] * value t, in order of t, for `nq` (at most
+   MAX_QUERIES) queries in one pass over the values: each value row is read once, and the
+   sums stay in registers (AVX-512: 64 channels a pass) */
+static void weigh_values(const float *p, int64_t p_step, int nq, int n, const char *v,
+                         int64_t v_step, int dtype, int vdim, float *acc, float *wide) {
+    size_t elem = dtype == 0 ? 4 : 2;
+    int d0 = 0;
+#ifdef __AVX512F__
+    for (; d0 + 64 <= vdim; d0 += 64) {
+        __m512 a[MAX_QUERIES][4];
+        for (int j = 0; j < MAX_QUERIES; j++)
+            for (int c = 0; c < 4; c++) a[j][c] = _mm512_setzero_ps();
+        for (int t = 0; t < n; t++) {
+            const char *row = v + ((size_t)t * v_step + d0) * elem;
+            __m512 x[4];
+            for (int c = 0; c < 4; c++) x[c] = load16(row + 16 * c * elem, dtype);
+            for (int j = 0; j < MAX_QUERIES; j++) {
+                if (j >= nq) break;
+                __m512 w = _mm512_set1_ps(p[j * p_step + t]);
+                for (int c = 0; c < 4; c++) a[j][c] = _mm512_fmadd_ps(w, x[c], a[j][c]);
+            }
+        }
+        for (int j = 0; j < nq; j++)
+            for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + j * vdim + d0 + 16 * c, a[j][c]);
+    }
+#endif
+    if (d0 == vdim) return;
+    for (int j = 0; j < nq; j++) memset(acc + j * vdim + d0, 0, sizeof(float) * (vdim - d0));
+    for (int t = 0; t < n; t++) {
+        const float *value = widen(v + (size_t)t * v_step * elem, dtype, vdim, wide);
+        for (int j = 0; j < nq; j++)
+            for (int d = d0; d < vdim; d++) acc[j * vdim + d] += p[j * p_step + t] * value[d];
+    }
+}
+
+#ifdef __AVX512F__
+/* [sum of a[i]'s lanes for i in 0..16): pairs of lanes, then of pairs, then of 128-bit
+   quarters, always the same tree, so a key's sum does not depend on its neighbours */
+static inline __m512 sum16(const __m512 *a) {
+    __m512 b[8], c[4], d[2];
+    for (int i = 0; i < 8; i++)
+        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                             _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(b[2 * i]), _mm512_castps_pd(b[2 * i + 1]));
+        __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(b[2 * i]), _mm512_castps_pd(b[2 * i + 1]));
+        c[i] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+    }
+    for (int i = 0; i < 2; i++)
+        d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88),
+                         _mm512_shuffle_f32x4(d[0], d[1], 0xDD));
+}
+
+/* 16 lanes whose sum is query . key, for 64 channels */
+static inline __m512 partial64(const __m512 *qv, const char *row, int dtype) {
+#ifdef __AVX512BF16__
+    if (dtype == 1) { /* bfloat16 pairs multiplied and added in float32 */
+        __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_castps_si512(qv[0]),
+                                      (__m512bh)_mm512_loadu_si512(row));
+        return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_castps_si512(qv[1]),
+                                (__m512bh)_mm512_loadu_si512(row + 64));
+    }
+#endif
+    size_t elem = dtype == 0 ? 4 : 2;
+    __m512 x[4];
+    for (int c = 0; c < 4; c++) x[c] = load16(row + 16 * c * elem, dtype);
+    __m512 even = _mm512_fmadd_ps(qv[2], x[2], _mm512_mul_ps(qv[0], x[0]));
+    __m512 odd = _mm512_fmadd_ps(qv[3], x[3], _mm512_mul_ps(qv[1], x[1]));
+    return _mm512_add_ps(even, odd);
+}
+
+/* float32 keys: each key row loaded once for all `nq` queries (held in registers), one
+   horizontal sum per query and key; four loads a key cost more than the sums */
+static void score_keys64_f32(const float *q, int nq, const int *n, int longest, const char *k,
+                             int64_t k_step, float scale, float *scores) {
+    __m512 qv[MAX_QUERIES][4];
+    for (int j = 0; j < MAX_QUERIES; j++)
+        for (int c = 0; c < 4; c++)
+            qv[j][c] = j < nq ? _mm512_loadu_ps(q + j * 64 + 16 * c) : _mm512_setzero_ps();
+    for (int t = 0; t < longest; t++) {
+        const float *row = (const float *)k + (size_t)t * k_step;
+        __m512 x[4];
+        for (int c = 0; c < 4; c++) x[c] = _mm512_loadu_ps(row + 16 * c);
+        for (int j = 0; j < MAX_QUERIES; j++) {
+            if (j >= nq) break;
+            if (t >= n[j]) continue;
+            __m512 even = _mm512_fmadd_ps(qv[j][2], x[2], _mm512_mul_ps(qv[j][0], x[0]));
+            __m512 odd = _mm512_fmadd_ps(qv[j][3], x[3], _mm512_mul_ps(qv[j][1], x[1]));
+            float sum = _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
+            scores[(size_t)j * longest + t] = sum * scale;
+        }
+    }
+}
+
+/* bfloat16 keys: scores of `nq` queries of 64 channels against keys 0..n[j], 16 keys at a
+   time with no horizontal sum per key (`q` float32 [nq, 64], `qh` the same queries as
+   bfloat16), the block's value rows fetched meanwhile when `v` is given */
+static void score_keys64(const float *q, const uint16_t *qh, int nq, const int *n, int longest,
+                         const char *k, int64_t k_step, int dtype, float scale, float *scores,
+                         const char *v, int64_t v_step) {
+    size_t elem = dtype == 0 ? 4 : 2;
+    for (int j = 0; j < nq; j++) {
+        __m512 qv[4];
+#ifdef __AVX512BF16__
+        if (dtype == 1) {
+            qv[0] = _mm512_castsi512_ps(_mm512_loadu_si512(qh + j * 64));
+            qv[1] = _mm512_castsi512_ps(_mm512_loadu_si512(qh + j * 64 + 32));
+        } else
+#endif
+            for (int c = 0; c < 4; c++) qv[c] = _mm512_loadu_ps(q + j * 64 + 16 * c);
+        for (int t0 = 0; t0 < n[j]; t0 += LANES) {
+            int m = n[j] - t0 < LANES ? n[j] - t0 : LANES;
+            __m512 part[LANES];
+            if (j == 0 && v != NULL) /* the block's value rows, read after the softmax */
+                for (int i = 0; i < m; i++)
+                    for (size_t line = 0; line < 64 * elem; line += 64)
+                        _mm_prefetch(v + (size_t)(t0 + i) * v_step * elem + line, _MM_HINT_T0);
+            for (int i = 0; i < LANES; i++)
+                part[i] = i < m ? partial64(qv, k + (size_t)(t0 + i) * k_step * elem, dtype)
+                                : _mm512_setzero_ps();
+            __m512 sums = _mm512_mul_ps(sum16(part), _mm512_set1_ps(scale));
+            _mm512_mask_storeu_ps(scores + (size_t)j * longest + t0, (__mmask16)((1u << m) - 1),
+                                  sums);
+        }
+    }
+}
+#endif
+
+/* float32 to bfloat16, rounding to nearest even (as torch does) */
+static inline uint16_t narrow(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof(float));
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN */
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* n float32s to bfloat16, as `narrow` rounds each (16 at a time where the CPU has AVX-512) */
+static void narrow_row(const float *src, uint16_t *dst, int n) {
+    int d = 0;
+#ifdef __AVX512F__
+    const __m512i bias = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
+    const __m512i quiet = _mm512_set1_epi32(0x7fc0);
+    for (; d + LANES <= n; d += LANES) {
+        __m512 x = _mm512_loadu_ps(src + d);
+        __m512i bits = _mm512_castps_si512(x);
+        __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), one);
+        __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(bias, odd));
+        __m512i rounded = _mm512_srli_epi32(up, 16);
+        rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), quiet);
+        _mm256_storeu_si256((__m256i *)(dst + d), _mm512_cvtepi32_epi16(rounded));
+    }
+#endif
+    for (; d < n; d++) dst[d] = narrow(src[d]);
+}
+
+/* one (row, KV head): its `queries` query vectors [queries, dim] (S positions x the heads
+   of its group; `q` widened to float32, `qh` as stored when that is bfloat16), position
+   s's queries seeing keys 0..limit[s]-1; the outputs go to `out` in the cache's dtype */
+static void attend_row(const float *q, const uint16_t *qh, int queries, const int64_t *limit,
+                       int seq, int group, const char *k, int64_t k_step, const char *v,
+                       int64_t v_step, int dtype, int dim, int vdim, float scale, char *out,
+                       int64_t out_seq_step, int64_t out_head_step, float *work) {
+    int longest = 0;
+    for (int s = 0; s < seq; s++) if (limit[s] > longest) longest = (int)limit[s];
+    size_t elem = dtype == 0 ? 4 : 2;
+    float *wide = work, *scores = work + dim + vdim;
+    float *acc = scores + (size_t)queries * (longest > 0 ? longest : 1);
+    float *total = acc + (size_t)queries * vdim;
+    int t = 0;
+#ifdef __AVX512F__
+    if (dim == 64) {
+        for (int i = 0; i < queries; i += MAX_QUERIES) {
+            int nq = queries - i < MAX_QUERIES ? queries - i : MAX_QUERIES, n[MAX_QUERIES];
+            for (int j = 0; j < nq; j++) n[j] = (int)limit[(i + j) / group];
+            if (dtype == 0)
+                score_keys64_f32(q + (size_t)i * dim, nq, n, longest, k, k_step, scale,
+                                 scores + (size_t)i * longest);
+            else
+                score_keys64(q + (size_t)i * dim, qh + (size_t)i * dim, nq, n, longest, k, k_step,
+                         dtype, scale, scores + (size_t)i * longest, i == 0 ? v : NULL, v_step);
+        }
+        t = longest;
+    }
+#endif
+    for (; t < longest; t++) {
+        const float *key = widen(k + (size_t)t * k_step * elem, dtype, dim, wide);
+        for (int s = 0; s < seq; s++) {
+            if (t >= limit[s]) continue;
+            for (int i = s * group; i < (s + 1) * group; i++)
+                scores[(size_t)i * longest + t] = dot(q + (size_t)i * dim, key, dim) * scale;
+        }
+    }
+    for (int s = 0; s < seq; s++)
+        for (int i = s * group; i < (s + 1) * group; i++)
+            total[i] = softmax_row(scores + (size_t)i * longest, (int)limit[s], longest);
+    for (int i = 0; i < queries; i += MAX_QUERIES) {
+        int nq = queries - i < MAX_QUERIES ? queries - i : MAX_QUERIES;
+        weigh_values(scores + (size_t)i * longest, longest, nq, longest, v, v_step, dtype,
+                     vdim, acc + (size_t)i * vdim, wide + dim);
+    }
+    for (int s = 0; s < seq; s++)
+        for (int g = 0; g < group; g++) {
+            int i = s * group + g;
+            size_t at = (size_t)(s * out_seq_step + g * out_head_step);
+            float inv = total[i] > 0.0f ? 1.0f / total[i] : 0.0f;
+            float *sums = acc + (size_t)i * vdim;
+            if (dtype == 0)
+                for (int d = 0; d < vdim; d++) ((float *)out)[at + d] = sums[d] * inv;
+            else {
+                for (int d = 0; d < vdim; d++) sums[d] *= inv;
+                narrow_row(sums, (uint16_t *)out + at, vdim);
+            }
+        }
+}
+
+/* q [B, S, H, D] and out [B, S, H, Dv], contiguous, in the cache's dtype; k, v: one layer's
+   cache with strides in elements (slot, head, position; channels contiguous); slots [B];
+   positions [B, S]: query (b, s) sees its slot's keys 0..positions[b, s], none when that
+   is at or past `span` (a padding row's scratch position) */
+int decode_attention(const void *q, const void *k, const void *v, const int64_t *slots,
+                     const int64_t *positions, void *out, int batch, int seq, int heads,
+                     int kv_heads, int dim, int vdim, int64_t k_slot, int64_t k_head,
+                     int64_t k_pos, int64_t v_slot, int64_t v_head, int64_t v_pos,
+                     int span, int dtype, float scale, int threads) {
+    int group = heads / kv_heads, queries = seq * group, failed = 0;
+    size_t elem = dtype == 0 ? 4 : 2;
+    size_t work_floats = dim + vdim + (size_t)queries * (span > 0 ? span : 1)
+                         + (size_t)queries * (vdim + 1);
+    #pragma omp parallel num_threads(threads) reduction(|:failed)
+    {
+        float *work = malloc(work_floats * sizeof(float));
+        float *qrow = malloc((size_t)queries * dim * sizeof(float));
+        uint16_t *qh = malloc((size_t)queries * dim * sizeof(uint16_t));
+        int64_t *limit = malloc((size_t)seq * sizeof(int64_t));
+        if (!work || !qrow || !qh || !limit) failed = 1;
+        #pragma omp for schedule(static)
+        for (int task = 0; task < batch * kv_heads; task++) {
+            if (!work || !qrow || !qh || !limit) continue;
+            int b = task / kv_heads, h = task % kv_heads;
+            for (int s = 0; s < seq; s++) {
+                int64_t position = positions[(size_t)b * seq + s];
+                limit[s] = position < span ? position + 1 : 0;
+            }
+            for (int s = 0; s < seq; s++)
+                for (int g = 0; g < group; g++) {
+                    size_t i = (size_t)s * group + g;
+                    const char *src = (const char *)q
+                        + (((size_t)b * seq + s) * heads + h * group + g) * dim * elem;
+                    if (dtype == 0) {
+                        memcpy(qrow + i * dim, src, sizeof(float) * dim);
+                    } else {
+                        memcpy(qh + i * dim, src, sizeof(uint16_t) * dim);
+                        widen(src, dtype, dim, qrow + i * dim);
+                    }
+                }
+            const char *kr = (const char *)k + (size_t)(slots[b] * k_slot + h * k_head) * elem;
+            const char *vr = (const char *)v + (size_t)(slots[b] * v_slot + h * v_head) * elem;
+            char *o = (char *)out + ((size_t)b * seq * heads + h * group) * vdim * elem;
+            attend_row(qrow, qh, queries, limit, seq, group, kr, k_pos, vr, v_pos, dtype, dim,
+                       vdim, scale, o, (int64_t)heads * vdim, vdim, work);
+        }
+        free(work);
+        free(qrow);
+        free(qh);
+        free(limit);
+    }
+    return failed;
+}
+
+/* x[0..dim) rotated in place (rotate-half RoPE): x * cos + cat(-x2, x1) * sin, each product
+   and sum rounded as torch rounds them (no fused multiply-adds: -ffp-contract=off), then
+   narrowed to the tensor's dtype; `wide` holds 2 * dim floats */
+static void rotate_row(const char *src, char *dst, int dtype, int dim, const float *cos,
+                       const float *sin, float *wide) {
+    float *x = wide, *y = wide + dim; /* a copy: src may be dst */
+    if (dtype == 0) memcpy(x, src, sizeof(float) * dim);
+    else widen(src, dtype, dim, x);
+    int half = dim / 2;
+    for (int d = 0; d < half; d++) y[d] = x[d] * cos[d] + -x[d + half] * sin[d];
+    for (int d = half; d < dim; d++) y[d] = x[d] * cos[d] + x[d - half] * sin[d];
+    if (dtype == 0) memcpy(dst, y, sizeof(float) * dim);
+    else narrow_row(y, (uint16_t *)dst, dim);
+}
+
+/* A launch's queries rotated in place, its keys rotated into the cache, its values copied
+   into it: token t [tokens] writes slot slots[t] at position positions[t]. q [tokens, heads,
+   dim], k and v [tokens, kv_heads, dim] contiguous in the cache's dtype; cos and sin
+   [tokens, dim] float32; cache strides in elements (slot, head, position) */
+int rope_store(void *q, const void *k, const void *v, const float *cos, const float *sin,
+               const int64_t *slots, const int64_t *positions, void *k_cache, void *v_cache,
+               int tokens, int heads, int kv_heads, int dim, int64_t k_slot, int64_t k_head,
+               int64_t k_pos, int64_t v_slot, int64_t v_head, int64_t v_pos, int dtype) {
+    size_t elem = dtype == 0 ? 4 : 2, row = (size_t)dim * elem;
+    float *wide = malloc((size_t)dim * sizeof(float) * 2);
+    if (!wide) return 1;
+    for (int t = 0; t < tokens; t++) {
+        const float *c = cos + (size_t)t * dim, *s = sin + (size_t)t * dim;
+        for (int h = 0; h < heads; h++) {
+            char *x = (char *)q + ((size_t)t * heads + h) * row;
+            rotate_row(x, x, dtype, dim, c, s, wide);
+        }
+        for (int h = 0; h < kv_heads; h++) {
+            size_t at = (size_t)t * kv_heads + h;
+            int64_t kat = slots[t] * k_slot + h * k_head + positions[t] * k_pos;
+            int64_t vat = slots[t] * v_slot + h * v_head + positions[t] * v_pos;
+            rotate_row((const char *)k + at * row, (char *)k_cache + (size_t)kat * elem, dtype,
+                       dim, c, s, wide);
+            memcpy((char *)v_cache + (size_t)vat * elem, (const char *)v + at * row, row);
+        }
+    }
+    free(wide);
+    return 0;
+}
+
+/* out = weight * narrow(x * 1 / sqrt(mean(x^2) + eps)) for each of `rows` rows of `size`
+   (RMSNorm as Llama's reference computes it: float32 statistics, the normalised row rounded
+   to the tensor's dtype before the weight); x, weight and out in the same dtype. The sum of
+   squares runs over 16 lanes, then one fixed tree of them. */
+int rms_norm(const void *x, const void *weight, void *out, int rows, int size, float eps,
+             int dtype) {
+    float *wide = malloc((size_t)size * sizeof(float) * 3);
+    uint16_t *half = malloc((size_t)size * sizeof(uint16_t));
+    if (!wide || !half) {
+        free(wide);
+        free(half);
+        return 1;
+    }
+    float *w = wide + size, *scaled = wide + 2 * (size_t)size;
+    if (dtype == 0) memcpy(w, weight, sizeof(float) * size);
+    else widen((const char *)weight, dtype, size, w);
+    size_t elem = dtype == 0 ? 4 : 2;
+    for (int r = 0; r < rows; r++) {
+        const char *src = (const char *)x + (size_t)r * size * elem;
+        const float *h = dtype == 0 ? (const float *)src : widen(src, dtype, size, wide);
+        float part[LANES] = {0};
+        int d = 0;
+        for (; d + LANES <= size; d += LANES)
+            for (int l = 0; l < LANES; l++) part[l] += h[d + l] * h[d + l];
+        for (int l = 0; d < size; d++, l++) part[l] += h[d] * h[d];
+        for (int width = LANES / 2; width > 0; width /= 2)
+            for (int l = 0; l < width; l++) part[l] += part[l + width];
+        float inv = 1.0f / sqrtf(part[0] / (float)size + eps);
+        char *dst = (char *)out + (size_t)r * size * elem;
+        if (dtype == 0)
+            for (d = 0; d < size; d++) ((float *)dst)[d] = w[d] * (h[d] * inv);
+        else { /* the normalised row rounded to bfloat16, then times the weight, rounded */
+            for (d = 0; d < size; d++) scaled[d] = h[d] * inv;
+            narrow_row(scaled, half, size);
+            widen((const char *)half, dtype, size, scaled);
+            for (d = 0; d < size; d++) scaled[d] = w[d] * scaled[d];
+            narrow_row(scaled, (uint16_t *)dst, size);
+        }
+    }
+    free(wide);
+    free(half);
+    return 0;
+}
