@@ -20,8 +20,9 @@ dozen small torch operations a layer, whose dispatch cost as much as their arith
 
 The C (`cpu_kernels.c`, beside this file) is built once per machine with the system's C
 compiler into the npu-pool cache (keyed by its source, the compiler and the CPU) and called
-through ctypes, which releases the GIL while it runs. Where there is no compiler or the build fails, `load_cpu_kernels`
-returns None and launches keep the batched-matrix path and plain torch operations.
+through ctypes, which releases the GIL while it runs. Where there is no compiler or the
+build fails, `load_cpu_kernels` returns None and launches keep the batched-matrix path and
+plain torch operations.
 """
 
 from __future__ import annotations
