@@ -25,6 +25,18 @@ static inline const float *widen(const char *src, int dtype, int n, float *dst) 
     return dst;
 }
 
+/* a . b over 16 lanes of partial sums, then one fixed tree of them */
+static inline float dot_lanes(const float *a, const float *b, int n) {
+    float part[LANES] = {0};
+    int d = 0;
+    for (; d + LANES <= n; d += LANES)
+        for (int l = 0; l < LANES; l++) part[l] += a[d + l] * b[d + l];
+    for (int l = 0; d < n; d++, l++) part[l] += a[d] * b[d];
+    for (int width = LANES / 2; width > 0; width /= 2)
+        for (int l = 0; l < width; l++) part[l] += part[l + width];
+    return part[0];
+}
+
 /* a . b: independent partial sums, then one fixed order of adding them */
 static inline float dot(const float *a, const float *b, int n) {
 #ifdef __AVX512F__
@@ -37,14 +49,7 @@ static inline float dot(const float *a, const float *b, int n) {
         return _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
     }
 #endif
-    float part[LANES] = {0};
-    int d = 0;
-    for (; d + LANES <= n; d += LANES)
-        for (int l = 0; l < LANES; l++) part[l] += a[d + l] * b[d + l];
-    for (int l = 0; d < n; d++, l++) part[l] += a[d] * b[d];
-    for (int width = LANES / 2; width > 0; width /= 2)
-        for (int l = 0; l < width; l++) part[l] += part[l + width];
-    return part[0];
+    return dot_lanes(a, b, n);
 }
 
 /* e^x for x <= 0 (softmax after subtracting the maximum), as straight-line arithmetic the
@@ -431,15 +436,9 @@ int rms_norm(const void *x, const void *weight, void *out, int rows, int size, f
     for (int r = 0; r < rows; r++) {
         const char *src = (const char *)x + (size_t)r * size * elem;
         const float *h = dtype == 0 ? (const float *)src : widen(src, dtype, size, wide);
-        float part[LANES] = {0};
-        int d = 0;
-        for (; d + LANES <= size; d += LANES)
-            for (int l = 0; l < LANES; l++) part[l] += h[d + l] * h[d + l];
-        for (int l = 0; d < size; d++, l++) part[l] += h[d] * h[d];
-        for (int width = LANES / 2; width > 0; width /= 2)
-            for (int l = 0; l < width; l++) part[l] += part[l + width];
-        float inv = 1.0f / sqrtf(part[0] / (float)size + eps);
+        float inv = 1.0f / sqrtf(dot_lanes(h, h, size) / (float)size + eps);
         char *dst = (char *)out + (size_t)r * size * elem;
+        int d;
         if (dtype == 0)
             for (d = 0; d < size; d++) ((float *)dst)[d] = w[d] * (h[d] * inv);
         else { /* the normalised row rounded to bfloat16, then times the weight, rounded */
