@@ -388,28 +388,31 @@ static void rotate_row(const char *src, char *dst, int dtype, int dim, const flo
 
 /* A launch's queries rotated in place, its keys rotated into the cache, its values copied
    into it: token t [tokens] writes slot slots[t] at position positions[t]. q [tokens, heads,
-   dim], k and v [tokens, kv_heads, dim] contiguous in the cache's dtype; cos and sin
-   [tokens, dim] float32; cache strides in elements (slot, head, position) */
+   dim], k and v [tokens, kv_heads, dim] in the cache's dtype, heads and channels contiguous,
+   tokens `q_row`, `k_row`, `v_row` elements apart (so they may be slices of one fused
+   projection); cos and sin [tokens, dim] float32; cache strides in elements (slot, head,
+   position) */
 int rope_store(void *q, const void *k, const void *v, const float *cos, const float *sin,
                const int64_t *slots, const int64_t *positions, void *k_cache, void *v_cache,
-               int tokens, int heads, int kv_heads, int dim, int64_t k_slot, int64_t k_head,
-               int64_t k_pos, int64_t v_slot, int64_t v_head, int64_t v_pos, int dtype) {
+               int tokens, int heads, int kv_heads, int dim, int64_t q_row, int64_t k_row,
+               int64_t v_row, int64_t k_slot, int64_t k_head, int64_t k_pos, int64_t v_slot,
+               int64_t v_head, int64_t v_pos, int dtype) {
     size_t elem = dtype == 0 ? 4 : 2, row = (size_t)dim * elem;
     float *wide = malloc((size_t)dim * sizeof(float) * 2);
     if (!wide) return 1;
     for (int t = 0; t < tokens; t++) {
         const float *c = cos + (size_t)t * dim, *s = sin + (size_t)t * dim;
         for (int h = 0; h < heads; h++) {
-            char *x = (char *)q + ((size_t)t * heads + h) * row;
+            char *x = (char *)q + (size_t)t * q_row * elem + (size_t)h * row;
             rotate_row(x, x, dtype, dim, c, s, wide);
         }
         for (int h = 0; h < kv_heads; h++) {
-            size_t at = (size_t)t * kv_heads + h;
             int64_t kat = slots[t] * k_slot + h * k_head + positions[t] * k_pos;
             int64_t vat = slots[t] * v_slot + h * v_head + positions[t] * v_pos;
-            rotate_row((const char *)k + at * row, (char *)k_cache + (size_t)kat * elem, dtype,
-                       dim, c, s, wide);
-            memcpy((char *)v_cache + (size_t)vat * elem, (const char *)v + at * row, row);
+            const char *key = (const char *)k + (size_t)t * k_row * elem + (size_t)h * row;
+            const char *value = (const char *)v + (size_t)t * v_row * elem + (size_t)h * row;
+            rotate_row(key, (char *)k_cache + (size_t)kat * elem, dtype, dim, c, s, wide);
+            memcpy((char *)v_cache + (size_t)vat * elem, value, row);
         }
     }
     free(wide);

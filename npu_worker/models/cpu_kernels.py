@@ -63,7 +63,7 @@ class CpuKernels:
         self.call.restype = ctypes.c_int
 
         self.store = library.rope_store
-        self.store.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int] * 4 + [ctypes.c_int64] * 6
+        self.store.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int] * 4 + [ctypes.c_int64] * 9
         self.store.argtypes += [ctypes.c_int]
         self.store.restype = ctypes.c_int
         self.norm = library.rms_norm
@@ -86,7 +86,8 @@ class CpuKernels:
         """Rotate q [T, H, D] in place (rotate-half RoPE, cos and sin [T, D] float32), and
         write token t's rotated keys and its values k, v [T, Hkv, D] into the cache at
         slot `slots[t]`, position `positions[t]`: what `rotate_half` and `write_cache` do,
-        bit for bit, in one call. q, k and v are contiguous in the cache's dtype."""
+        bit for bit, in one call. q, k and v are in the cache's dtype with heads and channels
+        contiguous; their tokens may be further apart (slices of one fused projection)."""
         tokens, heads, dim = q.shape
         cos, sin = cos.contiguous(), sin.contiguous()
         slots, positions = slots.contiguous(), positions.contiguous()
@@ -104,6 +105,9 @@ class CpuKernels:
             heads,
             k.shape[1],
             dim,
+            q.stride(0),
+            k.stride(0),
+            v.stride(0),
             *k_cache.stride()[:3],
             *v_cache.stride()[:3],
             DTYPE_CODES[k_cache.dtype],

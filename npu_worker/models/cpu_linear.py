@@ -8,6 +8,11 @@ number of rows (tests/test_cpu_linear.py), so every exactness guarantee of the e
 holds. Measured on SmolLM2's 210 decoder projections at 32 rows, weights streaming from
 memory: 30 ms unpacked, 23 ms packed (bench/RESULTS.md).
 
+Linear layers that read the same input (an attention's q, k and v projections) are packed
+as one weight and computed in one call (`fused_outputs`): on a small model every oneDNN call
+costs tens of microseconds before it multiplies anything. A launch always passes the same
+number of rows, so a row's products still depend on nothing but its own input.
+
 Only bfloat16 weights are packed (float32 products come from MKL, whose packed form gives
 other bits). The plain weight stays (other code reads it: tied heads, MLA's absorbed
 projections), so packing costs a second copy of the linear weights in memory.
@@ -17,7 +22,7 @@ from __future__ import annotations
 
 import functools
 import types
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -40,6 +45,9 @@ def pack_linears(model: nn.Module, max_rows: int = 128) -> int:
     for module in model.modules():
         if not isinstance(module, nn.Linear):
             continue
+        if getattr(module, "fused_into", False):
+            count += 1
+            continue
         if getattr(module, "packed_weight", None) is not None:
             module.max_rows = max(module.__dict__["max_rows"], max_rows)  # type: ignore[assignment]
             continue
@@ -51,15 +59,59 @@ def pack_linears(model: nn.Module, max_rows: int = 128) -> int:
         module.max_rows = max_rows  # type: ignore[assignment]
         module.forward = types.MethodType(_packed_forward, module)  # type: ignore[method-assign]
         count += 1
+    for module in model.modules():
+        _fuse(module, FUSED_PROJECTIONS)
     return count
+
+
+FUSED_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
+
+
+def fused_outputs(owner: nn.Module, x: torch.Tensor) -> list[torch.Tensor] | None:
+    """The outputs of `owner`'s fused projections for input x, as slices of one product
+    (their tokens a row of the product apart), in `FUSED_PROJECTIONS` order; None where
+    `owner` has none or x is not bfloat16 (then the caller runs the layers one by one)."""
+    packed = getattr(owner, "fused_weight", None)
+    if packed is None or x.dtype != torch.bfloat16:
+        return None
+    bias = owner.fused_bias
+    out = torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+    return list(out.split(owner.fused_sizes, dim=-1))
+
+
+def _fuse(owner: nn.Module, names: tuple[str, ...]) -> None:
+    """Pack `owner`'s linear layers `names`, each already packed and reading the same input,
+    as one weight (each layer then keeps only its plain weight, for every other use)."""
+    layers = [getattr(owner, name, None) for name in names]
+    if not all(isinstance(layer, nn.Linear) for layer in layers):
+        return
+    linears = cast(list[nn.Linear], layers)
+    if any(getattr(layer, "packed_weight", None) is None for layer in linears):
+        return
+    if len({layer.in_features for layer in linears}) != 1:
+        return
+    biases = [layer.bias for layer in linears]
+    if any(bias is None for bias in biases) != all(bias is None for bias in biases):
+        return
+    with torch.no_grad():
+        weight = torch.cat([layer.weight.detach() for layer in linears])
+        owner.fused_weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        owner.fused_bias = (
+            None if biases[0] is None else torch.cat([cast(Any, b).detach() for b in biases])
+        )
+    owner.fused_sizes = [layer.out_features for layer in linears]  # type: ignore[assignment]
+    for layer in linears:  # one packed copy of each weight, not two
+        del layer.packed_weight
+        del layer.forward
+        layer.fused_into = True  # type: ignore[assignment]
 
 
 def gated_product(gate: nn.Linear, up: nn.Linear, x: torch.Tensor) -> torch.Tensor | None:
     """silu(gate(x)) * up(x), a gated MLP's hidden state, with the activation and the product
     done inside oneDNN's products (its swish and mul post-ops, on float32 sums, rounded
     once): two calls instead of four. None where the weights are not packed or the fused
-    form was not proven, on this machine, to give a row the same bits whatever the number
-    of rows with it (then the caller runs the plain layers)."""
+    form was not proven, on this machine, to keep a row's bits as the plain products do
+    (`gated_fusion_safe`; then the caller runs the plain layers)."""
     packed_gate = getattr(gate, "packed_weight", None)
     packed_up = getattr(up, "packed_weight", None)
     if (
@@ -68,7 +120,7 @@ def gated_product(gate: nn.Linear, up: nn.Linear, x: torch.Tensor) -> torch.Tens
         or gate.bias is not None
         or up.bias is not None
         or x.dtype != torch.bfloat16
-        or not gated_fusion_invariant(gate.in_features, gate.out_features, gate.max_rows)
+        or not gated_fusion_safe(gate.in_features, gate.out_features, gate.max_rows)
     ):
         return None
     x = x.contiguous()
@@ -77,10 +129,13 @@ def gated_product(gate: nn.Linear, up: nn.Linear, x: torch.Tensor) -> torch.Tens
 
 
 @functools.cache
-def gated_fusion_invariant(in_features: int, out_features: int, max_rows: int) -> bool:
-    """Whether the fused gated product of this shape gives every row the same bits for
-    every number of rows from 1 to `max_rows` (oneDNN picks its kernels by shape; some of
-    its fused forms sum differently for one row than for several)."""
+def gated_fusion_safe(in_features: int, out_features: int, max_rows: int) -> bool:
+    """Whether the fused gated product of this shape keeps what the plain products give a
+    row: where they give it the same bits for every number of rows from 1 to `max_rows`,
+    the fused form must too (oneDNN picks its kernels by shape, and on some CPUs one of its
+    fused forms sums one row apart from several). Where the plain products do not either
+    (AMX kernels block their sums by the row count), what keeps a row's bits apart from its
+    neighbours' is the launch's fixed number of rows, which the fused form keeps as well."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(out_features, in_features, generator=generator) * in_features**-0.5
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.bfloat16(), None)
@@ -90,12 +145,18 @@ def gated_fusion_invariant(in_features: int, out_features: int, max_rows: int) -
         hidden = torch.ops.mkldnn._linear_pointwise(rows, packed, None, "swish", [], "")
         return torch.ops.mkldnn._linear_pointwise.binary(rows, hidden, packed, None, "mul")
 
-    with torch.no_grad():
-        every_row = fused(x)
+    def plain(rows: torch.Tensor) -> Any:
+        return torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], "")
+
+    def row_count_invariant(product: Any) -> bool:
+        every_row = product(x)
         return all(
-            torch.equal(fused(x[:rows].contiguous()), every_row[:rows])
+            torch.equal(product(x[:rows].contiguous()), every_row[:rows])
             for rows in range(1, max_rows)
         )
+
+    with torch.no_grad():
+        return row_count_invariant(fused) or not row_count_invariant(plain)
 
 
 def _packed_forward(self: nn.Linear, x: torch.Tensor) -> Any:

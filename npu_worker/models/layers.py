@@ -131,7 +131,7 @@ def rotary_cached_attention(
         kernel is None
         or not (kernel.supports(k_cache) and kernel.supports(v_cache))
         or not q.dtype == k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
-        or not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous())
+        or not (token_major(q) and token_major(k) and token_major(v))
     ):
         q, k = rotate_half(q, cos, sin), rotate_half(k, cos, sin)
         return cached_attention(q, k, v, cache, layer, launch, num_kv_heads)
@@ -150,6 +150,18 @@ def rotary_cached_attention(
         positions,
     )
     return kernel_attention(kernel, q, k_cache, v_cache, launch)
+
+
+def token_major(x: torch.Tensor) -> bool:
+    """Whether x [B, S, H, D] is one run of heads and channels per token, tokens a fixed
+    stride apart (contiguous, or a slice of one fused projection's output)."""
+    batch, seq, heads, dim = x.shape
+    if x.stride(3) != 1 or x.stride(2) != dim:
+        return False
+    if batch == 1 or seq == 1:  # a dimension of one may have any stride
+        step = x.stride(1) if batch == 1 and seq > 1 else x.stride(0)
+        return batch * seq == 1 or step >= heads * dim
+    return x.stride(1) >= heads * dim and x.stride(0) == seq * x.stride(1)
 
 
 def kernel_attention(

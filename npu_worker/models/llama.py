@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from npu_worker.models.config import ModelConfig
-from npu_worker.models.cpu_linear import gated_product
+from npu_worker.models.cpu_linear import fused_outputs, gated_product
 from npu_worker.models.launch import KVCache, LaunchInputs, LaunchModel, LaunchOutput
 from npu_worker.models.layers import (
     RMSNorm,
@@ -43,9 +43,11 @@ class Attention(nn.Module):
         cache: KVCache | None,
     ) -> torch.Tensor:
         batch, seq, _ = x.shape
-        q = self.q_proj(x).view(batch, seq, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)
+        fused = fused_outputs(self, x)
+        q, k, v = fused or (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q = q.view(batch, seq, self.num_heads, self.head_dim)
+        k = k.view(batch, seq, self.num_kv_heads, self.head_dim)
+        v = v.view(batch, seq, self.num_kv_heads, self.head_dim)
         if cache is None:  # training: whole sequences, no cache
             q, k = rotate_half(q, cos, sin), rotate_half(k, cos, sin)
             keys, values = k.transpose(1, 2), v.transpose(1, 2)
