@@ -62,7 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--vllm-python", required=True)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    settings = Settings(model=str(args.model))
+    # float32 on both sides: the comparison is with transformers' float32 greedy tokens, up to
+    # a float32 near-tie (`auto` would be bfloat16 on a CPU that has it natively)
+    settings = Settings(model=str(args.model), dtype="float32")
     load_model(args.model, settings.dtype, torch.device("cpu"), settings.max_kv_len)
     print(f"the pool's loader loads {args.model}")
     peer = check_vllm_peer(args.vllm_python, settings, threads=1)
