@@ -251,7 +251,8 @@ def test_a_prefilled_prompt_gives_the_logits_of_decoding_it_token_by_token(
 ) -> None:
     """Prefill chunks pass each token to the kernel as a row of its own, so the prompt's last
     logits are those of feeding it one decode launch at a time: bit for bit in bfloat16,
-    whose packed products do not depend on the row count."""
+    whose packed products at the tiny model's widths do not depend on the row count (AMX
+    kernels at wider ones do, docs/architecture.md §2)."""
     loaded = load_reference_model(SETTINGS.model_copy(update={"dtype": dtype}))
     shapes = launch_shapes(8, SETTINGS.max_kv_len, SETTINGS.prefill_chunk, 4)
     prompt = random_prompt(random.Random(8), 150, loaded.config.vocab_size)
