@@ -25,6 +25,8 @@ from npu_worker.models.deepseek_v4_config import CSA, DeepseekV4Config
 from npu_worker.models.deepseek_v4_state import DeepseekV4State, Ring
 from npu_worker.models.launch import LaunchInputs
 
+KEY_BLOCK = 32  # keys a block of the attention's sums holds (see `_attend`)
+
 
 def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate the trailing 2 * cos.shape[-1] channels of x in interleaved pairs (x0, x1),
@@ -254,12 +256,29 @@ class Attention(nn.Module):
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
         """Softmax of q [B, S, H, D] against shared K=V `keys` [B, K, D] where `seen`
-        [B, S, K], and a per-head sink; masked keys add exactly zero. Returns [B, S, H, D]."""
-        scores = (
-            torch.einsum("bshd,bkd->bhsk", q.float(), keys.float()) * self.config.head_dim**-0.5
+        [B, S, K], and a per-head sink; masked keys add exactly zero. Returns [B, S, H, D].
+
+        K grows with the launch's span, and a softmax or a product over a longer row may
+        group its sums differently (this CPU's float32 kernels do). So the keys go in
+        blocks of `KEY_BLOCK`: every block's scores, exponentials and weighted values at
+        that one fixed shape, then the blocks' sums added in order (`cumsum`). Blocks past
+        a row's keys add exact zeros, and a query's output does not depend on K."""
+        batch, seq, heads, dim = q.shape
+        blocks = -(-keys.shape[1] // KEY_BLOCK)
+        padding = blocks * KEY_BLOCK - keys.shape[1]
+        values = F.pad(keys.float(), (0, 0, 0, padding)).view(batch, blocks, KEY_BLOCK, dim)
+        seen = F.pad(seen, (0, padding)).view(batch, seq, 1, blocks, KEY_BLOCK)
+        queries = q.float().reshape(batch, 1, seq * heads, dim)
+        scores = torch.matmul(queries, values.transpose(2, 3)) * self.config.head_dim**-0.5
+        scores = scores.view(batch, blocks, seq, heads, KEY_BLOCK).permute(0, 2, 3, 1, 4)
+        scores = scores.masked_fill(~seen, float("-inf"))  # [B, S, H, C, KB]
+        sink = self.attn_sink.float().view(1, 1, heads)
+        top = torch.maximum(scores.amax(dim=(3, 4)), sink)  # exact, in any order
+        weights = torch.exp(scores - top[..., None, None])
+        total = weights.sum(dim=4).cumsum(dim=3)[..., -1] + torch.exp(sink - top)
+        blockwise = torch.matmul(  # [B, C, S*H, D]: each block's weighted values
+            weights.permute(0, 3, 1, 2, 4).reshape(batch, blocks, seq * heads, KEY_BLOCK),
+            values,
         )
-        scores = scores.masked_fill(~seen[:, None], float("-inf"))
-        sink = self.attn_sink.float().view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
-        probs = torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1]
-        out = torch.einsum("bhsk,bkd->bshd", probs, keys.float())
+        out = blockwise.cumsum(dim=1)[:, -1].view(batch, seq, heads, dim) / total[..., None]
         return out.to(q.dtype)
