@@ -1,8 +1,10 @@
 """Decode (and B1S128 prefill) launches under several settings, interleaved in one process:
 float32 with batched matrix products (the path before the decode kernel), float32 with the
-kernel, bfloat16 with the kernel on unpacked linear weights, and bfloat16 with the kernel
-on packed ones (the default). Rounds alternate between them so a noisy machine slows each
-alike; speed-ups are medians of the per-round ratios to the first.
+kernel, bfloat16 with the kernel on unpacked linear weights, bfloat16 with the kernel on
+weights packed for oneDNN, and bfloat16 with the kernel and the kernels' own products (on a
+CPU with AVX-512; the default where the start-up probe finds them faster). Rounds alternate
+between them so a noisy machine slows each alike; speed-ups are medians of the per-round
+ratios to the first.
 
     python -m bench.launch_ab --model smollm2 --decode-batch 64 --contexts 256 1024
 
@@ -21,23 +23,30 @@ from typing import Literal
 
 import torch
 
+from npu_worker.models.cpu_kernels import has_avx512, load_cpu_kernels
+from npu_worker.models.cpu_linear import pack_linears
 from npu_worker.models.presets import load_for
 from npu_worker.runner import LaunchRunner
 from schemas.config import Settings
 
 DType = Literal["float32", "bfloat16"]
-VARIANTS: list[tuple[DType, bool, bool]] = [  # dtype, decode kernel, packed linears
-    ("float32", False, False),
-    ("float32", True, False),
-    ("bfloat16", True, False),
-    ("bfloat16", True, True),
+# dtype, decode kernel, packed linears, the kernels' products
+VARIANTS: list[tuple[DType, bool, bool, bool]] = [
+    ("float32", False, False, False),
+    ("float32", True, False, False),
+    ("bfloat16", True, False, False),
+    ("bfloat16", True, True, False),
+    ("bfloat16", True, True, True),
 ]
 
 
 def runners(model: str, batch: int, max_model_len: int) -> dict[str, LaunchRunner]:
     """One runner (its own cache) per variant; one model per dtype."""
     out = {}
-    for dtype, kernel, packed in VARIANTS:
+    kernels = load_cpu_kernels()
+    for dtype, kernel, packed, products in VARIANTS:
+        if products and (kernels is None or not has_avx512()):
+            continue
         settings = Settings(
             model=model,
             device="cpu",
@@ -47,8 +56,11 @@ def runners(model: str, batch: int, max_model_len: int) -> dict[str, LaunchRunne
             max_model_len=max_model_len,
         )
         loaded = load_for(settings)
+        if packed:  # packed here, so the runner's start-up probe does not choose
+            pack_linears(loaded.model, kernels=kernels, kernel_products=products)
         shapes = replace(settings.launch_shapes(), num_slots=batch)
         name = f"{dtype} {'kernel' if kernel else 'matmul'}{' packed' if packed else ''}"
+        name += " own-products" if products else ""
         out[name] = LaunchRunner(loaded.model, shapes, decode_kernel=kernel, packed_linears=packed)
     return out
 

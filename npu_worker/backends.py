@@ -60,9 +60,12 @@ class EagerBackend:
             if cache.decode_kernel is not None:
                 self.name += "+decode-kernel"
         if packed_linears:
-            pack_linears(model, max_rows)
-        if any(getattr(m, "packed_weight", None) is not None for m in model.modules()):
+            pack_linears(model, max_rows, cache.decode_kernel)
+        modules = list(model.modules())
+        if any(getattr(m, "packed_weight", None) is not None for m in modules):
             self.name += "+packed-linears"
+        if any(getattr(m, "packed_by", None) is not None for m in modules):
+            self.name += "+kernel-products"
 
     def run(self, launch: LaunchInputs) -> LaunchOutput:
         token = CPU_KERNELS.set(self.cache.decode_kernel)

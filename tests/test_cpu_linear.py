@@ -82,7 +82,7 @@ def test_the_fused_gated_product_is_silu_times_up_and_keeps_a_rows_bits() -> Non
     mlp = loaded.model.model.layers[0].mlp
     generator = torch.Generator().manual_seed(2)
     x = torch.randn(128, mlp.gate_proj.in_features, generator=generator).bfloat16()
-    fused = gated_product(mlp.gate_proj, mlp.up_proj, x)
+    fused = gated_product(mlp, mlp.gate_proj, mlp.up_proj, x)
     shape = (mlp.gate_proj.in_features, mlp.gate_proj.out_features, 128)
     if not gated_fusion_safe(*shape):  # this machine's oneDNN sums some row count apart
         assert fused is None
@@ -97,9 +97,11 @@ def test_the_fused_gated_product_is_silu_times_up_and_keeps_a_rows_bits() -> Non
     )
     if plain_invariant:  # then so is the fused form
         for rows in range(1, 128):
-            assert torch.equal(gated_product(mlp.gate_proj, mlp.up_proj, x[:rows]), fused[:rows])
+            assert torch.equal(
+                gated_product(mlp, mlp.gate_proj, mlp.up_proj, x[:rows]), fused[:rows]
+            )
     float32 = tiny("float32").model.model.layers[0].mlp
-    assert gated_product(float32.gate_proj, float32.up_proj, x.float()) is None
+    assert gated_product(float32, float32.gate_proj, float32.up_proj, x.float()) is None
 
 
 def test_fused_projections_are_the_layers_products() -> None:

@@ -44,7 +44,8 @@ from schemas.config import cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCE_FILE = Path(__file__).with_name("cpu_kernels.c")  # shipped as package data
+# shipped as package data, built into one library
+SOURCE_FILES = [Path(__file__).with_name(name) for name in ("cpu_kernels.c", "cpu_matmul.c")]
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
@@ -55,6 +56,7 @@ class CpuKernels:
     RoPE with the K/V writes (`rope_store`) and RMSNorm (`rms_norm`)."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
+        self.path = Path(library._name)
         self.call = library.decode_attention
         pointers: list[type[Any]] = [ctypes.c_void_p] * 6
         sizes: list[type[Any]] = [ctypes.c_int] * 6 + [ctypes.c_int64] * 6
@@ -70,6 +72,55 @@ class CpuKernels:
         self.norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2
         self.norm.argtypes += [ctypes.c_float, ctypes.c_int]
         self.norm.restype = ctypes.c_int
+        self.packed_size = library.packed_linear_size
+        self.packed_size.argtypes = [ctypes.c_int, ctypes.c_int]
+        self.packed_size.restype = ctypes.c_int64
+        self.pack = library.pack_linear
+        self.pack.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int64]
+        self.pack.argtypes += [ctypes.c_void_p]
+        self.pack.restype = None
+        self.product = library.linear_bf16
+        self.product.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int64]
+        self.product.argtypes += [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+        self.product.argtypes += [ctypes.c_int64, ctypes.c_int]
+        self.product.restype = ctypes.c_int
+
+    def pack_linear(self, weight: torch.Tensor) -> torch.Tensor:
+        """A bfloat16 weight [outputs, inputs] laid out for `linear` (blocks of 16 outputs
+        by pairs of inputs, zeros past the edges)."""
+        outputs, inputs = weight.shape
+        weight = weight.detach().contiguous()
+        packed = torch.empty(self.packed_size(outputs, inputs), dtype=torch.bfloat16)
+        self.pack(weight.data_ptr(), outputs, inputs, weight.stride(0), packed.data_ptr())
+        return packed
+
+    def linear(
+        self, x: torch.Tensor, packed: torch.Tensor, outputs: int, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """x [..., inputs] bfloat16 times a weight packed by `pack_linear`, plus the bias
+        (summed in float32, rounded to bfloat16 once): [..., outputs] bfloat16. A row's
+        bits depend only on that row (cpu_matmul.c)."""
+        inputs = x.shape[-1]
+        rows = x.reshape(-1, inputs)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        out = torch.empty(rows.shape[0], outputs, dtype=torch.bfloat16)
+        added = None if bias is None else bias.detach().float().contiguous()
+        failed = self.product(
+            rows.data_ptr(),
+            rows.shape[0],
+            inputs,
+            rows.stride(0),
+            packed.data_ptr(),
+            outputs,
+            None if added is None else added.data_ptr(),
+            out.data_ptr(),
+            outputs,
+            torch.get_num_threads(),
+        )
+        if failed:
+            raise RuntimeError(f"linear_bf16 failed ({failed}): no AVX-512, or out of memory")
+        return out.view(*x.shape[:-1], outputs)
 
     def rope_store(
         self,
@@ -201,12 +252,12 @@ def load_cpu_kernels() -> CpuKernels | None:
 def _built(compiler: str) -> Path:
     """The shared library for this source, compiler and CPU, compiled once (atomically, so
     ranks starting together never load a half-written file)."""
-    source = SOURCE_FILE.read_text()
+    sources = [path.read_text() for path in SOURCE_FILES]
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=True, timeout=30
     ).stdout
     key = hashlib.sha256(
-        "\0".join([source, compiler, version, *FLAGS, platform.machine(), _cpu_flags()]).encode()
+        "\0".join([*sources, compiler, version, *FLAGS, platform.machine(), _cpu_flags()]).encode()
     ).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"cpu_kernels-{key}.so"
     if target.exists():
@@ -215,7 +266,7 @@ def _built(compiler: str) -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
         result = subprocess.run(
-            [compiler, *FLAGS, str(SOURCE_FILE), "-o", str(built), "-lm"],
+            [compiler, *FLAGS, *map(str, SOURCE_FILES), "-o", str(built), "-lm"],
             capture_output=True,
             text=True,
             timeout=300,
@@ -224,6 +275,11 @@ def _built(compiler: str) -> Path:
             raise OSError(f"{compiler} exited {result.returncode}: {result.stderr.strip()[-400:]}")
         os.replace(built, target)
     return target
+
+
+def has_avx512() -> bool:
+    """Whether this CPU has AVX-512 (the kernels' vector paths, and `linear` at all)."""
+    return "avx512f" in _cpu_flags().split()
 
 
 def _cpu_flags() -> str:

@@ -68,7 +68,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = gated_product(self.gate_proj, self.up_proj, x)
+        hidden = gated_product(self, self.gate_proj, self.up_proj, x)
         if hidden is None:
             hidden = F.silu(self.gate_proj(x)) * self.up_proj(x)
         return self.down_proj(hidden)

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from npu_worker.models.cpu_linear import fused_outputs
+
 
 class ExpertGroup(Protocol):
     """The ranks that share a model's experts."""
@@ -96,7 +98,9 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        pair = fused_outputs(self, x)  # gate and up in one product, where packed so
+        gate, up = pair if pair is not None else (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(F.silu(gate) * up)
 
 
 def routed_output(

@@ -1,0 +1,150 @@
+/* bfloat16 linear layers for CPUs with AVX512-BF16 and no AMX (built with cpu_kernels.c into
+   one library). There oneDNN's bfloat16 products reach about a quarter of what the CPU's
+   `vdpbf16ps` can do (bench/RESULTS.md), so this computes them itself: the weight packed
+   once into blocks of 16 outputs x 2 inputs (one 64-byte vector per pair of inputs), each
+   output summed over its input pairs in order in float32, by `vdpbf16ps`, and rounded to
+   bfloat16 once. That order depends on nothing but the output's own row, so a row's bits are
+   the same for every number of rows and in prefill and decode alike. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#define HAVE_AVX512 1
+#endif
+
+#define BLOCK 16   /* outputs a vector */
+#define COLUMNS 3  /* vectors of outputs a pass: 48 outputs */
+#define ROWS 8     /* rows a pass: ROWS x COLUMNS sums held in registers */
+
+/* the packed size, in uint16, of an [outputs, inputs] weight */
+int64_t packed_linear_size(int outputs, int inputs) {
+    int64_t blocks = (outputs + BLOCK - 1) / BLOCK, pairs = (inputs + 1) / 2;
+    return blocks * pairs * BLOCK * 2;
+}
+
+/* weight [outputs, inputs] bfloat16 (rows `stride` apart) into `packed`: block b, pair p
+   holds outputs 16b..16b+15, each with its inputs 2p and 2p+1 side by side; past the edges,
+   zeros */
+void pack_linear(const uint16_t *weight, int outputs, int inputs, int64_t stride,
+                 uint16_t *packed) {
+    int blocks = (outputs + BLOCK - 1) / BLOCK, pairs = (inputs + 1) / 2;
+    for (int b = 0; b < blocks; b++)
+        for (int p = 0; p < pairs; p++)
+            for (int lane = 0; lane < BLOCK; lane++)
+                for (int e = 0; e < 2; e++) {
+                    int o = b * BLOCK + lane, i = 2 * p + e;
+                    uint16_t value = o < outputs && i < inputs ? weight[o * stride + i] : 0;
+                    packed[(((int64_t)b * pairs + p) * BLOCK + lane) * 2 + e] = value;
+                }
+}
+
+#ifdef HAVE_AVX512
+/* float32 to bfloat16, rounding to nearest even, NaN kept quiet (as torch rounds) */
+static inline __m256i narrow16(__m512 x) {
+    __m512i bits = _mm512_castps_si512(x);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
+    __m512i rounded = _mm512_srli_epi32(up, 16);
+    rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q),
+                                    _mm512_set1_epi32(0x7fc0));
+    return _mm512_cvtepi32_epi16(rounded);
+}
+
+/* rows 0..R of x [rows, inputs] (float32, `x_stride` a row) times the packed blocks
+   b0..b0+C, into out (bfloat16, `out_stride` a row), `outputs` wide in all. A pair's vector
+   holds 16 outputs' weights for inputs 2p (low halves) and 2p+1 (high halves): a shift and a
+   mask make them float32, and float32 multiply-adds (two ports, where `vdpbf16ps` has one)
+   add input 2p, then 2p+1, to each output's sum. */
+static inline __attribute__((always_inline)) void tile(const float *x, int64_t x_stride,
+                                                       const uint16_t *w, int pairs, int b0,
+                                                       const float *bias, uint16_t *out,
+                                                       int64_t out_stride, int outputs,
+                                                       const int R, const int C) {
+    __m512 acc[ROWS][COLUMNS];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
+    const uint16_t *block[COLUMNS];
+    for (int c = 0; c < C; c++) block[c] = w + (int64_t)(b0 + c) * pairs * BLOCK * 2;
+    const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+    for (int p = 0; p < pairs; p++) {
+        __m512 even[COLUMNS], odd[COLUMNS];
+        for (int c = 0; c < C; c++) {
+            __m512i pair = _mm512_loadu_si512(block[c] + (int64_t)p * BLOCK * 2);
+            even[c] = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
+            odd[c] = _mm512_castsi512_ps(_mm512_and_si512(pair, high));
+        }
+        for (int r = 0; r < R; r++) {
+            __m512 x0 = _mm512_set1_ps(x[r * x_stride + 2 * p]);
+            __m512 x1 = _mm512_set1_ps(x[r * x_stride + 2 * p + 1]);
+            for (int c = 0; c < C; c++) {
+                acc[r][c] = _mm512_fmadd_ps(x0, even[c], acc[r][c]);
+                acc[r][c] = _mm512_fmadd_ps(x1, odd[c], acc[r][c]);
+            }
+        }
+    }
+    for (int c = 0; c < C; c++) {
+        int o = (b0 + c) * BLOCK, left = outputs - o;
+        __mmask16 keep = left >= BLOCK ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+        __m512 add = bias ? _mm512_maskz_loadu_ps(keep, bias + o) : _mm512_setzero_ps();
+        for (int r = 0; r < R; r++) {
+            __m256i half = narrow16(_mm512_add_ps(acc[r][c], add));
+            _mm256_mask_storeu_epi16(out + r * out_stride + o, keep, half);
+        }
+    }
+}
+
+#define TILE_ROWS(R, C) \
+    tile(x + (int64_t)r0 * x_stride, x_stride, w, pairs, b0, bias, out + (int64_t)r0 * out_stride, \
+         out_stride, outputs, R, C)
+
+static void tile_rows(const float *x, int64_t x_stride, const uint16_t *w, int pairs, int b0,
+                      const float *bias, uint16_t *out, int64_t out_stride, int outputs,
+                      int r0, int rows, int C) {
+#define CASE(R)                                   \
+    case R:                                       \
+        if (C == 3) TILE_ROWS(R, 3);              \
+        else if (C == 2) TILE_ROWS(R, 2);         \
+        else TILE_ROWS(R, 1);                     \
+        break;
+    switch (rows) {
+        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+    }
+#undef CASE
+}
+#endif
+
+/* out [rows, outputs] = x [rows, inputs] times the packed weight (+ bias, float32), all
+   bfloat16 but the bias; x's rows `x_stride` elements apart (inputs even, or x padded to
+   even with a zero), out's `out_stride`. Returns nonzero where this CPU lacks AVX512-BF16. */
+int linear_bf16(const uint16_t *x, int rows, int inputs, int64_t x_stride, const uint16_t *w,
+                int outputs, const float *bias, uint16_t *out, int64_t out_stride, int threads) {
+#ifdef HAVE_AVX512
+    int pairs = (inputs + 1) / 2, blocks = (outputs + BLOCK - 1) / BLOCK;
+    int groups = (blocks + COLUMNS - 1) / COLUMNS, width = 2 * pairs;
+    float *wide = malloc((size_t)rows * width * sizeof(float)); /* x in float32, padded even */
+    if (!wide) return 2;
+    for (int r = 0; r < rows; r++) {
+        for (int i = 0; i < inputs; i++) {
+            uint32_t bits = (uint32_t)x[(int64_t)r * x_stride + i] << 16;
+            memcpy(wide + (int64_t)r * width + i, &bits, sizeof(float));
+        }
+        if (width > inputs) wide[(int64_t)r * width + inputs] = 0.0f;
+    }
+    /* column groups outer: each weight block comes from memory once for all the rows */
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int g = 0; g < groups; g++) {
+        int b0 = g * COLUMNS, C = blocks - b0 < COLUMNS ? blocks - b0 : COLUMNS;
+        for (int r0 = 0; r0 < rows; r0 += ROWS) {
+            int R = rows - r0 < ROWS ? rows - r0 : ROWS;
+            tile_rows(wide, width, w, pairs, b0, bias, out, out_stride, outputs, r0, R, C);
+        }
+    }
+    free(wide);
+    return 0;
+#else
+    (void)x; (void)rows; (void)inputs; (void)x_stride; (void)w; (void)outputs; (void)bias;
+    (void)out; (void)out_stride; (void)threads;
+    return 1;
+#endif
+}

@@ -1,0 +1,126 @@
+"""bfloat16 linear layers through the CPU kernels' own product (cpu_matmul.c), which the
+pool uses where it beats oneDNN's: each output the exact products of its row summed in one
+fixed order and rounded once, so a row's bits do not depend on how many rows share the
+call, and a row's logits do not depend on what shares its launch."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import torch
+
+from npu_worker.models.cpu_kernels import CpuKernels, has_avx512, load_cpu_kernels
+from npu_worker.models.cpu_linear import kernel_products_win, pack_linears, packing_available
+from npu_worker.models.loader import LoadedModel, load_model
+from npu_worker.models.presets import resolve_model_dir
+from npu_worker.runner import LaunchRunner
+from tests.helpers import launch_shapes, random_prompt
+
+pytestmark = pytest.mark.skipif(not has_avx512(), reason="the kernels' product needs AVX-512")
+MAX_KV_LEN = 320
+
+
+@pytest.fixture(scope="module")
+def kernels() -> CpuKernels:
+    built = load_cpu_kernels()
+    if built is None:
+        pytest.skip("no C compiler on this machine")
+    return built
+
+
+def float64_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> Any:
+    out = x.double() @ weight.double().T
+    return out if bias is None else out + bias.double()
+
+
+@pytest.mark.parametrize(
+    ("outputs", "inputs", "with_bias"),
+    [(96, 64, False), (50, 33, True), (1, 7, False), (200, 130, True)],
+)
+def test_a_rows_product_is_its_exact_sum_rounded_whatever_the_row_count(
+    kernels: CpuKernels, outputs: int, inputs: int, with_bias: bool
+) -> None:
+    """Odd widths (outputs past a block of 16, an odd number of inputs) included."""
+    generator = torch.Generator().manual_seed(outputs)
+    weight = torch.randn(outputs, inputs, generator=generator).bfloat16()
+    bias = torch.randn(outputs, generator=generator).bfloat16() if with_bias else None
+    x = torch.randn(40, inputs, generator=generator).bfloat16()
+    packed = kernels.pack_linear(weight)
+    every_row = kernels.linear(x, packed, outputs, bias)
+    exact = float64_product(x, weight, bias)
+    # float32 sums of exact products: within bfloat16's rounding of the exact sum
+    tolerance = exact.abs() * 2**-8 + inputs * 2**-20 * (x.double().abs().max() * 4)
+    assert ((every_row.double() - exact).abs() <= tolerance).all()
+    for rows in range(1, 41):
+        alone = kernels.linear(x[:rows].clone(), packed, outputs, bias)
+        assert torch.equal(alone, every_row[:rows]), f"{rows} rows"
+
+
+def test_the_product_reads_rows_of_a_strided_input(kernels: CpuKernels) -> None:
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(48, 64, generator=generator).bfloat16()
+    wide = torch.randn(8, 160, generator=generator).bfloat16()
+    packed = kernels.pack_linear(weight)
+    got = kernels.linear(wide[:, 32:96], packed, 48, None)
+    assert torch.equal(got, kernels.linear(wide[:, 32:96].contiguous(), packed, 48, None))
+
+
+def tiny(dtype: str) -> LoadedModel:
+    return load_model(resolve_model_dir("tiny"), dtype, torch.device("cpu"), MAX_KV_LEN, mtp=True)
+
+
+def test_a_rows_logits_do_not_depend_on_its_launch_with_the_kernels_products(
+    kernels: CpuKernels,
+) -> None:
+    loaded = tiny("bfloat16")
+    assert pack_linears(loaded.model, 128, kernels, kernel_products=True) > 0
+    runner = LaunchRunner(loaded.model, launch_shapes(8, MAX_KV_LEN, 128, 4))
+    assert "kernel-products" in runner.backend.name
+    rng = random.Random(6)
+    prompts = [random_prompt(rng, n, loaded.config.vocab_size) for n in (30, 100, 7, 64)]
+    for slot, prompt in enumerate(prompts):
+        runner.prefill(slot, prompt, 0)
+    positions = [len(p) for p in prompts]
+    together = runner.decode([0, 1, 2, 3], [5, 6, 7, 8], positions)
+    for row in range(4):  # the same token at the same position again: the same K/V written
+        alone = runner.decode([row], [5 + row], [positions[row]])
+        assert torch.equal(alone[0], together[row]), f"row {row}"
+
+
+def test_prefill_logits_are_token_by_token_decodes_with_the_kernels_products(
+    kernels: CpuKernels,
+) -> None:
+    """One product for every row count: a prompt prefilled in one chunk gives the bits of
+    decoding it one token at a time."""
+    loaded = tiny("bfloat16")
+    pack_linears(loaded.model, 128, kernels, kernel_products=True)
+    runner = LaunchRunner(loaded.model, launch_shapes(8, MAX_KV_LEN, 128, 4))
+    prompt = random_prompt(random.Random(8), 20, loaded.config.vocab_size)
+    whole = runner.prefill(0, prompt, 0)
+    for position, token in enumerate(prompt):
+        stepped = runner.decode([1], [token], [position])
+    assert torch.equal(stepped[0], whole[0])
+
+
+def test_the_kernels_products_agree_with_onednns_within_rounding(kernels: CpuKernels) -> None:
+    if not packing_available():
+        pytest.skip("torch built without oneDNN")
+    rng = random.Random(2)
+    logits = []
+    for own in (False, True):
+        loaded = tiny("bfloat16")
+        pack_linears(loaded.model, 128, kernels, kernel_products=own)
+        runner = LaunchRunner(loaded.model, launch_shapes(8, MAX_KV_LEN, 128, 4))
+        prompt = random_prompt(rng, 50, loaded.config.vocab_size)
+        rng.seed(2)
+        logits.append(runner.prefill(0, prompt, 0).float())
+    torch.testing.assert_close(logits[1], logits[0], rtol=0.02, atol=0.15)
+
+
+def test_the_probes_choice_is_recorded_once_beside_the_library(kernels: CpuKernels) -> None:
+    choice = kernel_products_win(kernels)
+    record = kernels.path.with_suffix(".products")
+    assert record.read_text() in ("kernels", "onednn")
+    assert kernel_products_win(kernels) == choice == (record.read_text() == "kernels")
