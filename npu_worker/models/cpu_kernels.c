@@ -198,37 +198,29 @@ static void score_keys64_f32(const float *q, int nq, const int *n, int longest, 
 
 /* bfloat16 keys: scores of `nq` queries of 64 channels against keys 0..n[j], 16 keys at a
    time with no horizontal sum per key (`q` float32 [nq, 64], `qh` the same queries as
-   bfloat16). Each block of 16 keys is scored for every query before the next block, so its
-   rows come from memory once for all the queries of a KV head (and from L1 for the rest);
-   the block's value rows are fetched meanwhile when `v` is given. */
+   bfloat16), the block's value rows fetched meanwhile when `v` is given */
 static void score_keys64(const float *q, const uint16_t *qh, int nq, const int *n, int longest,
                          const char *k, int64_t k_step, int dtype, float scale, float *scores,
                          const char *v, int64_t v_step) {
     size_t elem = dtype == 0 ? 4 : 2;
-    __m512 qv[MAX_QUERIES][4];
-    int most = 0;
     for (int j = 0; j < nq; j++) {
-        if (n[j] > most) most = n[j];
+        __m512 qv[4];
 #ifdef __AVX512BF16__
         if (dtype == 1) {
-            qv[j][0] = _mm512_castsi512_ps(_mm512_loadu_si512(qh + j * 64));
-            qv[j][1] = _mm512_castsi512_ps(_mm512_loadu_si512(qh + j * 64 + 32));
-            continue;
-        }
+            qv[0] = _mm512_castsi512_ps(_mm512_loadu_si512(qh + j * 64));
+            qv[1] = _mm512_castsi512_ps(_mm512_loadu_si512(qh + j * 64 + 32));
+        } else
 #endif
-        for (int c = 0; c < 4; c++) qv[j][c] = _mm512_loadu_ps(q + j * 64 + 16 * c);
-    }
-    for (int t0 = 0; t0 < most; t0 += LANES) {
-        if (v != NULL) /* the block's value rows, read after the softmax */
-            for (int i = 0; i < LANES && t0 + i < most; i++)
-                for (size_t line = 0; line < 64 * elem; line += 64)
-                    _mm_prefetch(v + (size_t)(t0 + i) * v_step * elem + line, _MM_HINT_T0);
-        for (int j = 0; j < nq; j++) {
+            for (int c = 0; c < 4; c++) qv[c] = _mm512_loadu_ps(q + j * 64 + 16 * c);
+        for (int t0 = 0; t0 < n[j]; t0 += LANES) {
             int m = n[j] - t0 < LANES ? n[j] - t0 : LANES;
-            if (m <= 0) continue;
             __m512 part[LANES];
+            if (j == 0 && v != NULL) /* the block's value rows, read after the softmax */
+                for (int i = 0; i < m; i++)
+                    for (size_t line = 0; line < 64 * elem; line += 64)
+                        _mm_prefetch(v + (size_t)(t0 + i) * v_step * elem + line, _MM_HINT_T0);
             for (int i = 0; i < LANES; i++)
-                part[i] = i < m ? partial64(qv[j], k + (size_t)(t0 + i) * k_step * elem, dtype)
+                part[i] = i < m ? partial64(qv, k + (size_t)(t0 + i) * k_step * elem, dtype)
                                 : _mm512_setzero_ps();
             __m512 sums = _mm512_mul_ps(sum16(part), _mm512_set1_ps(scale));
             _mm512_mask_storeu_ps(scores + (size_t)j * longest + t0, (__mmask16)((1u << m) - 1),
