@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+from npu_worker.models.cpu_kernels import has_avx512, load_cpu_kernels
 from npu_worker.models.cpu_linear import (
     fused_outputs,
     gated_fusion_safe,
@@ -121,10 +122,19 @@ def test_fused_projections_are_the_layers_products() -> None:
     assert fused_outputs(attention, x.float()) is None
 
 
-def test_a_rows_bfloat16_logits_do_not_depend_on_its_launch_with_packed_linears() -> None:
+@pytest.mark.parametrize("kernel_products", [False, True], ids=["onednn", "kernels"])
+def test_a_rows_bfloat16_logits_do_not_depend_on_its_launch_with_packed_linears(
+    kernel_products: bool,
+) -> None:
+    """With oneDNN's products and with the CPU kernels' own (tests/test_cpu_matmul.py)."""
+    kernels = load_cpu_kernels()
+    if kernel_products and (kernels is None or not has_avx512()):
+        pytest.skip("the kernels' product needs a C compiler and AVX-512")
     loaded = tiny("bfloat16")
+    pack_linears(loaded.model, 128, kernels, kernel_products=kernel_products)
     runner = LaunchRunner(loaded.model, launch_shapes(8, MAX_KV_LEN, 128, 4))
     assert "packed-linears" in runner.backend.name
+    assert ("kernel-products" in runner.backend.name) == kernel_products
     rng = random.Random(6)
     prompts = [random_prompt(rng, n, loaded.config.vocab_size) for n in (30, 100, 7, 64)]
     for slot, prompt in enumerate(prompts):

@@ -1,7 +1,8 @@
 """bfloat16 linear layers through the CPU kernels' own product (cpu_matmul.c), which the
 pool uses where it beats oneDNN's: each output the exact products of its row summed in one
 fixed order and rounded once, so a row's bits do not depend on how many rows share the
-call, and a row's logits do not depend on what shares its launch."""
+call, and a prompt's prefill logits are those of decoding it token by token (a row's logits
+not depending on what shares its launch: tests/test_cpu_linear.py)."""
 
 from __future__ import annotations
 
@@ -69,24 +70,6 @@ def test_the_product_reads_rows_of_a_strided_input(kernels: CpuKernels) -> None:
 
 def tiny(dtype: str) -> LoadedModel:
     return load_model(resolve_model_dir("tiny"), dtype, torch.device("cpu"), MAX_KV_LEN, mtp=True)
-
-
-def test_a_rows_logits_do_not_depend_on_its_launch_with_the_kernels_products(
-    kernels: CpuKernels,
-) -> None:
-    loaded = tiny("bfloat16")
-    assert pack_linears(loaded.model, 128, kernels, kernel_products=True) > 0
-    runner = LaunchRunner(loaded.model, launch_shapes(8, MAX_KV_LEN, 128, 4))
-    assert "kernel-products" in runner.backend.name
-    rng = random.Random(6)
-    prompts = [random_prompt(rng, n, loaded.config.vocab_size) for n in (30, 100, 7, 64)]
-    for slot, prompt in enumerate(prompts):
-        runner.prefill(slot, prompt, 0)
-    positions = [len(p) for p in prompts]
-    together = runner.decode([0, 1, 2, 3], [5, 6, 7, 8], positions)
-    for row in range(4):  # the same token at the same position again: the same K/V written
-        alone = runner.decode([row], [5 + row], [positions[row]])
-        assert torch.equal(alone[0], together[row]), f"row {row}"
 
 
 def test_prefill_logits_are_token_by_token_decodes_with_the_kernels_products(

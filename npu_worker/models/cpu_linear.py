@@ -1,4 +1,5 @@
-"""bfloat16 linear layers on the CPU with their weights laid out once for oneDNN.
+"""bfloat16 linear layers on the CPU with their weights laid out once, for oneDNN or for the
+CPU kernels' own product.
 
 A bfloat16 `F.linear` on the CPU runs through oneDNN, which first reorders the weight into
 its blocked layout, on every call: for a decode launch that is a second pass over every
@@ -13,13 +14,13 @@ as one weight and computed in one call (`fused_outputs`): on a small model every
 costs tens of microseconds before it multiplies anything. A launch always passes the same
 number of rows, so a row's products still depend on nothing but its own input.
 
-On CPUs without AMX, oneDNN's bfloat16 products run at a fraction of what the CPU's
-float32 multiply-adds reach (bench/RESULTS.md); where the CPU kernels are built, a start-up
-probe times both once per machine (the choice kept beside the built library, so every rank
-and every restart makes the same one) and, where it wins, the layers call the kernels'
-`linear` instead (cpu_matmul.c): another layout, other bits than oneDNN's, but each row's
-sums in one fixed order, so a row's bits still depend on nothing but the row, in prefill
-and decode alike.
+On some CPUs without AMX, oneDNN's bfloat16 products run below what the CPU's float32
+multiply-adds reach (an Intel one: 66-75 GFLOP/s against 110, bench/RESULTS.md). Where the
+CPU kernels are built, a start-up probe times both once per machine (the choice kept beside
+the built library, so every rank and every restart makes the same one) and, where it wins,
+the layers call the kernels' `linear` instead (cpu_matmul.c): another layout, other bits
+than oneDNN's, but each row's sums in one fixed order, so a row's bits still depend on
+nothing but the row, in prefill and decode alike.
 
 Only bfloat16 weights are packed (float32 products come from MKL, whose packed form gives
 other bits). The plain weight stays (other code reads it: tied heads, MLA's absorbed
@@ -251,8 +252,11 @@ def kernel_products_win(kernels: CpuKernels) -> bool:
             os.link(draft.name, record)  # fails where another process recorded first
         except FileExistsError:
             pass
+        except OSError:  # a file system without hard links: the last writer wins
+            os.replace(draft.name, record)
         finally:
-            os.unlink(draft.name)
+            if os.path.exists(draft.name):
+                os.unlink(draft.name)
     return record.read_text() == "kernels"
 
 
