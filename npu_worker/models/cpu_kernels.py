@@ -278,8 +278,9 @@ def _built(compiler: str) -> Path:
 
 
 def has_avx512() -> bool:
-    """Whether this CPU has AVX-512 (the kernels' vector paths, and `linear` at all)."""
-    return "avx512f" in _cpu_flags().split()
+    """Whether this CPU has AVX-512 F and BW (what the kernels' `linear` needs at all)."""
+    flags = _cpu_flags().split()
+    return "avx512f" in flags and "avx512bw" in flags
 
 
 def _cpu_flags() -> str:

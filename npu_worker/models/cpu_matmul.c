@@ -1,14 +1,15 @@
-/* bfloat16 linear layers for CPUs with AVX512-BF16 and no AMX (built with cpu_kernels.c into
-   one library). There oneDNN's bfloat16 products reach about a quarter of what the CPU's
-   `vdpbf16ps` can do (bench/RESULTS.md), so this computes them itself: the weight packed
-   once into blocks of 16 outputs x 2 inputs (one 64-byte vector per pair of inputs), each
-   output summed over its input pairs in order in float32, by `vdpbf16ps`, and rounded to
-   bfloat16 once. That order depends on nothing but the output's own row, so a row's bits are
-   the same for every number of rows and in prefill and decode alike. */
+/* bfloat16 linear layers of the CPU kernels' own (built with cpu_kernels.c into one library),
+   for CPUs where oneDNN's bfloat16 products run below what float32 multiply-adds reach: on
+   one Intel CPU without AMX, `vdpbf16ps` issues on one port where float32 multiply-adds
+   have two (bench/RESULTS.md). The weight is packed once into blocks of 16 outputs x 2
+   inputs (one 64-byte vector per pair of inputs), widened to float32 in registers, each
+   output summed over its inputs in order by float32 multiply-adds and rounded to bfloat16
+   once. That order depends on nothing but the output's own row, so a row's bits are the
+   same for every number of rows, in prefill and decode alike. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define HAVE_AVX512 1
 #endif
@@ -115,8 +116,8 @@ static void tile_rows(const float *x, int64_t x_stride, const uint16_t *w, int p
 #endif
 
 /* out [rows, outputs] = x [rows, inputs] times the packed weight (+ bias, float32), all
-   bfloat16 but the bias; x's rows `x_stride` elements apart (inputs even, or x padded to
-   even with a zero), out's `out_stride`. Returns nonzero where this CPU lacks AVX512-BF16. */
+   bfloat16 but the bias; x's rows `x_stride` elements apart, out's `out_stride`. Returns
+   nonzero where this CPU lacks AVX-512 (F and BW) or memory ran out. */
 int linear_bf16(const uint16_t *x, int rows, int inputs, int64_t x_stride, const uint16_t *w,
                 int outputs, const float *bias, uint16_t *out, int64_t out_stride, int threads) {
 #ifdef HAVE_AVX512
