@@ -93,6 +93,6 @@ def test_status_watch_shows_a_live_view_until_interrupted(
     )
     time.sleep(2.0)
     watcher.send_signal(signal.SIGINT)
-    output, _ = watcher.communicate(timeout=30)
+    output, _ = watcher.communicate(timeout=90)  # a VM that stalls for seconds at a time
     assert watcher.returncode == 0
     assert "pool default — ready" in output and "tokens/s" in output
