@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import random
+import select
+import signal
+import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -128,3 +132,35 @@ def launch_shapes(
         max_kv_len=max_kv_len,
         mtp=False,
     )
+
+
+def interrupt_once_shown(
+    process: subprocess.Popen[bytes], marker: bytes, count: int, timeout_s: float = 120.0
+) -> tuple[bytes, bytes]:
+    """Read a live view's stdout until `marker` has appeared `count` times, then Ctrl-C it
+    (so the signal never lands while the interpreter is still starting); its (stdout,
+    stderr) once it exits. Fails with what it printed if it shows too little or never exits."""
+    assert process.stdout is not None and process.stderr is not None
+    seen = bytearray()
+    failure = ""
+    deadline = time.monotonic() + timeout_s
+    while seen.count(marker) < count:
+        if process.poll() is not None:
+            failure = f"exited {process.returncode} before showing {marker!r} {count} times"
+            break
+        if time.monotonic() > deadline:
+            failure = f"showed {marker!r} {seen.count(marker)} of {count} times in {timeout_s}s"
+            break
+        ready, _, _ = select.select([process.stdout], [], [], 0.5)
+        if ready:
+            seen += os.read(process.stdout.fileno(), 65536)
+    process.send_signal(signal.SIGINT)
+    try:
+        out, err = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        out, err = process.communicate()
+        failure = failure or f"did not exit within {timeout_s}s of Ctrl-C"
+    out = bytes(seen) + out
+    assert not failure, f"{failure}:\n{out.decode()[-2000:]}\n{err.decode()[-2000:]}"
+    return out, err

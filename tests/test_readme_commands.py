@@ -16,7 +16,6 @@ import shlex
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +26,7 @@ from npu_pool.embedded import EmbeddedRedis
 from producer.client import Client
 from producer.lookup import find_request
 from tests.conftest import _free_port
-from tests.helpers import check_stream, wait_until
+from tests.helpers import check_stream, interrupt_once_shown, wait_until
 from tests.test_gguf_import import hf_checkpoint, write_gguf
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -39,8 +38,8 @@ SKIPPED = ("python3 -m venv", "pip install", "python -m pytest")
 # get Ctrl-C (SIGINT) and must exit 0.
 SERVICES = ("npu-pool up", "npu-pool batcher", "npu-pool worker", "npu-pool gateway")
 SERVICES += ("npu-pool batch worker",)
-# Live views that run until Ctrl-C: interrupted after this many seconds.
-INTERRUPTED = {"npu-pool status --watch": 5.0}
+# Live views that run until Ctrl-C: interrupted once they have shown this many snapshots.
+INTERRUPTED = {"npu-pool status --watch": 2}
 # Small counts and the tiny model, as flags right after the command.
 SMALLER = {
     "npu-pool demo": "--model tiny --requests 3 --max-tokens 8",
@@ -107,9 +106,9 @@ class Session:
             self.start(command)
             return
         self.wait_for_services()
-        for prefix, seconds in INTERRUPTED.items():
+        for prefix, snapshots in INTERRUPTED.items():
             if command.startswith(prefix):
-                self.interrupt_after(command, seconds)
+                self.interrupt_after(command, snapshots)
                 return
         done = self.shell(command)
         assert done.returncode == 0, f"{command}\n{done.stdout[-2000:]!r}\n{done.stderr[-3000:]!r}"
@@ -176,8 +175,9 @@ class Session:
             wait_until(ready, timeout_s=READY_TIMEOUT_S, what=service.command)
             service.confirmed = True
 
-    def interrupt_after(self, command: str, seconds: float) -> None:
-        """Run a live view for `seconds`, then Ctrl-C: it exits 0 having printed the pool."""
+    def interrupt_after(self, command: str, snapshots: int) -> None:
+        """Run a live view until it has shown the pool `snapshots` times, then Ctrl-C: it
+        exits 0."""
         process = subprocess.Popen(
             ["bash", "-c", f"exec {command}"],
             cwd=self.work,
@@ -185,11 +185,9 @@ class Session:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
         )
-        time.sleep(seconds)
-        process.send_signal(signal.SIGINT)
-        out, err = process.communicate(timeout=90)  # a VM that stalls for seconds at a time
+        out, err = interrupt_once_shown(process, b"pool default", snapshots)
         assert process.returncode == 0, err.decode()[-2000:]
-        assert out.count(b"pool default") >= 2, out.decode()[-2000:]  # a snapshot per second
+        assert out.count(b"pool default") >= snapshots, out.decode()[-2000:]
 
     def redis_url(self) -> str:
         """The URL the README's commands reach Redis at now (`npu-pool status --url`)."""
