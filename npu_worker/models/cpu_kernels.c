@@ -108,6 +108,41 @@ static void weigh_values(const float *p, int64_t p_step, int nq, int n, const ch
     size_t elem = dtype == 0 ? 4 : 2;
     int d0 = 0;
 #ifdef __AVX512F__
+    if (dtype == 1) /* a 32-bit word holds channels 2w (low half) and 2w + 1 (high half): a
+                       shift and a mask widen 32 channels, evens and odds in two vectors */
+        for (; d0 + 64 <= vdim; d0 += 64) {
+            const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+            __m512 a[MAX_QUERIES][4];
+            for (int j = 0; j < MAX_QUERIES; j++)
+                for (int c = 0; c < 4; c++) a[j][c] = _mm512_setzero_ps();
+            for (int t = 0; t < n; t++) {
+                const char *row = v + ((size_t)t * v_step + d0) * 2;
+                __m512i w0 = _mm512_loadu_si512(row), w1 = _mm512_loadu_si512(row + 64);
+                __m512 x[4] = {_mm512_castsi512_ps(_mm512_slli_epi32(w0, 16)),
+                               _mm512_castsi512_ps(_mm512_and_si512(w0, high)),
+                               _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16)),
+                               _mm512_castsi512_ps(_mm512_and_si512(w1, high))};
+                for (int j = 0; j < MAX_QUERIES; j++) {
+                    if (j >= nq) break;
+                    __m512 w = _mm512_set1_ps(p[j * p_step + t]);
+                    for (int c = 0; c < 4; c++) a[j][c] = _mm512_fmadd_ps(w, x[c], a[j][c]);
+                }
+            }
+            /* evens and odds back into channel order: lane m of the first 16 is channel m,
+               lane m / 2 of the evens (m even) or of the odds (m odd, index + 16) */
+            const __m512i first = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2,
+                                                   17, 1, 16, 0);
+            const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
+            for (int j = 0; j < nq; j++)
+                for (int c = 0; c < 4; c += 2) {
+                    float *dst = acc + j * vdim + d0 + 16 * c;
+                    _mm512_storeu_ps(dst, _mm512_permutex2var_ps(a[j][c], first, a[j][c + 1]));
+                    _mm512_storeu_ps(dst + 16,
+                                     _mm512_permutex2var_ps(a[j][c], second, a[j][c + 1]));
+                }
+        }
+#endif
+#ifdef __AVX512F__
     for (; d0 + 64 <= vdim; d0 += 64) {
         __m512 a[MAX_QUERIES][4];
         for (int j = 0; j < MAX_QUERIES; j++)
@@ -136,41 +171,27 @@ static void weigh_values(const float *p, int64_t p_step, int nq, int n, const ch
 }
 
 #ifdef __AVX512F__
-/* [sum of a[i]'s lanes for i in 0..16): pairs of lanes, then of pairs, then of 128-bit
-   quarters, always the same tree, so a key's sum does not depend on its neighbours */
-static inline __m512 sum16(const __m512 *a) {
-    __m512 b[8], c[4], d[2];
-    for (int i = 0; i < 8; i++)
-        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
-                             _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-    for (int i = 0; i < 4; i++) {
-        __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(b[2 * i]), _mm512_castps_pd(b[2 * i + 1]));
-        __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(b[2 * i]), _mm512_castps_pd(b[2 * i + 1]));
-        c[i] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
-    }
-    for (int i = 0; i < 2; i++)
-        d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88),
-                         _mm512_shuffle_f32x4(d[0], d[1], 0xDD));
+/* Sums of 16 vectors' lanes, as one vector (lane i: the sum of a[i]'s lanes), by one fixed
+   tree: pairs of lanes, then of pairs, then of 128-bit quarters, so a key's sum does not
+   depend on its neighbours. The steps are separate so a caller can build the tree as its
+   partial sums arrive. */
+static inline __m512 pair_lanes(__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
 }
-
-/* 16 lanes whose sum is query . key, for 64 channels */
-static inline __m512 partial64(const __m512 *qv, const char *row, int dtype) {
-#ifdef __AVX512BF16__
-    if (dtype == 1) { /* bfloat16 pairs multiplied and added in float32 */
-        __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_castps_si512(qv[0]),
-                                      (__m512bh)_mm512_loadu_si512(row));
-        return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_castps_si512(qv[1]),
-                                (__m512bh)_mm512_loadu_si512(row + 64));
-    }
-#endif
-    size_t elem = dtype == 0 ? 4 : 2;
-    __m512 x[4];
-    for (int c = 0; c < 4; c++) x[c] = load16(row + 16 * c * elem, dtype);
-    __m512 even = _mm512_fmadd_ps(qv[2], x[2], _mm512_mul_ps(qv[0], x[0]));
-    __m512 odd = _mm512_fmadd_ps(qv[3], x[3], _mm512_mul_ps(qv[1], x[1]));
-    return _mm512_add_ps(even, odd);
+static inline __m512 pair_pairs(__m512 a, __m512 b) {
+    __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(b));
+    __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(b));
+    return _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+}
+static inline __m512 pair_quarters(__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+}
+static inline __m512 sum16(const __m512 *a) {
+    __m512 c[4];
+    for (int i = 0; i < 4; i++)
+        c[i] = pair_pairs(pair_lanes(a[4 * i], a[4 * i + 1]),
+                          pair_lanes(a[4 * i + 2], a[4 * i + 3]));
+    return pair_quarters(pair_quarters(c[0], c[1]), pair_quarters(c[2], c[3]));
 }
 
 /* float32 keys: each key row loaded once for all `nq` queries (held in registers), one
@@ -196,38 +217,51 @@ static void score_keys64_f32(const float *q, int nq, const int *n, int longest, 
     }
 }
 
-/* bfloat16 keys: scores of `nq` queries of 64 channels against keys 0..n[j], 16 keys at a
-   time with no horizontal sum per key (`q` float32 [nq, 64], `qh` the same queries as
-   bfloat16), the block's value rows fetched meanwhile when `v` is given */
-static void score_keys64(const float *q, const uint16_t *qh, int nq, const int *n, int longest,
-                         const char *k, int64_t k_step, int dtype, float scale, float *scores,
-                         const char *v, int64_t v_step) {
-    size_t elem = dtype == 0 ? 4 : 2;
-    for (int j = 0; j < nq; j++) {
-        __m512 qv[4];
 #ifdef __AVX512BF16__
-        if (dtype == 1) {
-            qv[0] = _mm512_castsi512_ps(_mm512_loadu_si512(qh + j * 64));
-            qv[1] = _mm512_castsi512_ps(_mm512_loadu_si512(qh + j * 64 + 32));
-        } else
-#endif
-            for (int c = 0; c < 4; c++) qv[c] = _mm512_loadu_ps(q + j * 64 + 16 * c);
-        for (int t0 = 0; t0 < n[j]; t0 += LANES) {
-            int m = n[j] - t0 < LANES ? n[j] - t0 : LANES;
+/* 16 lanes whose sum is q . key for 64 bfloat16 channels (pairs multiplied, float32 sums) */
+static inline __m512 dot64_bf16(__m512bh q0, __m512bh q1, const char *row) {
+    __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), q0, (__m512bh)_mm512_loadu_si512(row));
+    return _mm512_dpbf16_ps(acc, q1, (__m512bh)_mm512_loadu_si512(row + 64));
+}
+
+/* q . key for the four keys at `row`, `row + step`, ..., summed as `sum16` sums them */
+static inline __m512 four_keys(__m512bh q0, __m512bh q1, const char *row, size_t step) {
+    __m512 b0 = pair_lanes(dot64_bf16(q0, q1, row), dot64_bf16(q0, q1, row + step));
+    __m512 b1 = pair_lanes(dot64_bf16(q0, q1, row + 2 * step), dot64_bf16(q0, q1, row + 3 * step));
+    return pair_pairs(b0, b1);
+}
+
+/* bfloat16 keys: scores of `nq` queries (bfloat16 [nq, 64]) against keys 0..n[j], 16 keys a
+   block with no horizontal sum per key: the same tree as `sum16`, so the same bits */
+static void score_keys64(const uint16_t *qh, int nq, const int *n, int longest, const char *k,
+                         int64_t k_step, float scale, float *scores) {
+    size_t step = (size_t)k_step * 2;
+    const __m512 scaled = _mm512_set1_ps(scale);
+    for (int j = 0; j < nq; j++) {
+        __m512bh q0 = (__m512bh)_mm512_loadu_si512(qh + j * 64);
+        __m512bh q1 = (__m512bh)_mm512_loadu_si512(qh + j * 64 + 32);
+        float *out = scores + (size_t)j * longest;
+        int t0 = 0;
+        for (; t0 + LANES <= n[j]; t0 += LANES) {
+            const char *row = k + (size_t)t0 * step;
+            __m512 d0 = pair_quarters(four_keys(q0, q1, row, step),
+                                      four_keys(q0, q1, row + 4 * step, step));
+            __m512 d1 = pair_quarters(four_keys(q0, q1, row + 8 * step, step),
+                                      four_keys(q0, q1, row + 12 * step, step));
+            _mm512_storeu_ps(out + t0, _mm512_mul_ps(pair_quarters(d0, d1), scaled));
+        }
+        if (t0 < n[j]) { /* the last keys, the rest of the block's lanes zeros */
+            int m = n[j] - t0;
             __m512 part[LANES];
-            if (j == 0 && v != NULL) /* the block's value rows, read after the softmax */
-                for (int i = 0; i < m; i++)
-                    for (size_t line = 0; line < 64 * elem; line += 64)
-                        _mm_prefetch(v + (size_t)(t0 + i) * v_step * elem + line, _MM_HINT_T0);
             for (int i = 0; i < LANES; i++)
-                part[i] = i < m ? partial64(qv, k + (size_t)(t0 + i) * k_step * elem, dtype)
+                part[i] = i < m ? dot64_bf16(q0, q1, k + (size_t)(t0 + i) * step)
                                 : _mm512_setzero_ps();
-            __m512 sums = _mm512_mul_ps(sum16(part), _mm512_set1_ps(scale));
-            _mm512_mask_storeu_ps(scores + (size_t)j * longest + t0, (__mmask16)((1u << m) - 1),
-                                  sums);
+            _mm512_mask_storeu_ps(out + t0, (__mmask16)((1u << m) - 1),
+                                  _mm512_mul_ps(sum16(part), scaled));
         }
     }
 }
+#endif
 #endif
 
 /* float32 to bfloat16, rounding to nearest even (as torch does) */
@@ -271,17 +305,25 @@ static void attend_row(const float *q, const uint16_t *qh, int queries, const in
     float *acc = scores + (size_t)queries * (longest > 0 ? longest : 1);
     float *total = acc + (size_t)queries * vdim;
     int t = 0;
+    (void)qh; /* read only where the CPU multiplies bfloat16 pairs */
 #ifdef __AVX512F__
-    if (dim == 64) {
+#ifdef __AVX512BF16__
+    int blocked = dim == 64;
+#else
+    int blocked = dim == 64 && dtype == 0; /* bfloat16 keys take the portable loop below */
+#endif
+    if (blocked) {
         for (int i = 0; i < queries; i += MAX_QUERIES) {
             int nq = queries - i < MAX_QUERIES ? queries - i : MAX_QUERIES, n[MAX_QUERIES];
             for (int j = 0; j < nq; j++) n[j] = (int)limit[(i + j) / group];
-            if (dtype == 0)
+#ifdef __AVX512BF16__
+            if (dtype == 1)
+                score_keys64(qh + (size_t)i * dim, nq, n, longest, k, k_step, scale,
+                             scores + (size_t)i * longest);
+            else
+#endif
                 score_keys64_f32(q + (size_t)i * dim, nq, n, longest, k, k_step, scale,
                                  scores + (size_t)i * longest);
-            else
-                score_keys64(q + (size_t)i * dim, qh + (size_t)i * dim, nq, n, longest, k, k_step,
-                         dtype, scale, scores + (size_t)i * longest, i == 0 ? v : NULL, v_step);
         }
         t = longest;
     }
