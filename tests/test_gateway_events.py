@@ -11,6 +11,9 @@ import httpx
 import pytest
 
 from producer.client import Client
+from schemas.codec import encode
+from schemas.keys import FIELD
+from schemas.messages import ResultChunk
 from tests.conftest import StartGateway, StartPool
 from tests.helpers import check_stream
 
@@ -112,3 +115,23 @@ def test_a_client_that_disconnects_cancels_its_request_in_the_pool(
     chunks = list(client.stream(request_id, timeout_s=60))
     tokens = check_stream(chunks)
     assert chunks[-1].finish_reason == "cancelled" and len(tokens) < 1000
+
+
+def test_text_with_unicode_line_separators_stays_one_event_for_a_line_splitting_client(
+    start_gateway: StartGateway, client: Client
+) -> None:
+    # JSON need not escape U+0085, U+2028 or U+2029, but Python's str.splitlines (and so
+    # httpx's iter_lines, which read_events uses) ends a line at each of them
+    texts = ["one\u2028two", "three\x85four", "five\u2029six\n"]
+    request_id = "line-separators"
+    chunks = [
+        ResultChunk(id=request_id, seq=seq, index=seq, token_ids=[seq], text=text)
+        for seq, text in enumerate(texts)
+    ]
+    chunks[-1] = chunks[-1].model_copy(update={"finish_reason": "length"})
+    for chunk in chunks:
+        client.redis.xadd(client.keys.result(request_id), {FIELD: encode(chunk)})
+    gateway = start_gateway(ready=False)
+    events = read_events(f"{gateway.url}/v1/requests/{request_id}/events")
+    assert [event_id for event_id, _ in events] == [0, 1, 2]
+    assert [data["text"] for _, data in events] == texts

@@ -35,10 +35,19 @@ def dumps(body: Any) -> str:
     return json.dumps(body, separators=(",", ":"), ensure_ascii=False)
 
 
+# Line ends to Python's str.splitlines (so to httpx's aiter_lines) that JSON need not escape:
+# sent raw in a token's text, they would cut an event in two for such a client.
+LINE_BREAKS = {"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"}
+
+
 def sse(body: Any, event_id: int | None = None) -> bytes:
-    """One server-sent event carrying `body` as JSON."""
+    """One server-sent event carrying `body` as JSON, on one line for any line splitter."""
     head = f"id: {event_id}\n" if event_id is not None else ""
-    return f"{head}data: {dumps(body)}\n\n".encode()
+    data = dumps(body)
+    for raw, escaped in LINE_BREAKS.items():
+        if raw in data:
+            data = data.replace(raw, escaped)
+    return f"{head}data: {data}\n\n".encode()
 
 
 async def send_json(send: Send, status: int, body: Any, headers: dict[str, str]) -> None:
