@@ -232,9 +232,13 @@ static inline __m512 four_keys(__m512bh q0, __m512bh q1, const char *row, size_t
 }
 
 /* bfloat16 keys: scores of `nq` queries (bfloat16 [nq, 64]) against keys 0..n[j], 16 keys a
-   block with no horizontal sum per key: the same tree as `sum16`, so the same bits */
+   block with no horizontal sum per key: the same tree as `sum16`, so the same bits. With
+   `v`, the first query's pass fetches each block's value rows while it scores the keys: in
+   a whole launch they come from memory, and the value pass after the softmax then finds
+   them in cache. */
 static void score_keys64(const uint16_t *qh, int nq, const int *n, int longest, const char *k,
-                         int64_t k_step, float scale, float *scores) {
+                         int64_t k_step, float scale, float *scores, const char *v,
+                         int64_t v_step) {
     size_t step = (size_t)k_step * 2;
     const __m512 scaled = _mm512_set1_ps(scale);
     for (int j = 0; j < nq; j++) {
@@ -244,6 +248,12 @@ static void score_keys64(const uint16_t *qh, int nq, const int *n, int longest, 
         int t0 = 0;
         for (; t0 + LANES <= n[j]; t0 += LANES) {
             const char *row = k + (size_t)t0 * step;
+            if (j == 0 && v != NULL)
+                for (int i = 0; i < LANES; i++) {
+                    const char *value = v + (size_t)(t0 + i) * v_step * 2;
+                    _mm_prefetch(value, _MM_HINT_T0);
+                    _mm_prefetch(value + 64, _MM_HINT_T0);
+                }
             __m512 d0 = pair_quarters(four_keys(q0, q1, row, step),
                                       four_keys(q0, q1, row + 4 * step, step));
             __m512 d1 = pair_quarters(four_keys(q0, q1, row + 8 * step, step),
@@ -319,7 +329,7 @@ static void attend_row(const float *q, const uint16_t *qh, int queries, const in
 #ifdef __AVX512BF16__
             if (dtype == 1)
                 score_keys64(qh + (size_t)i * dim, nq, n, longest, k, k_step, scale,
-                             scores + (size_t)i * longest);
+                             scores + (size_t)i * longest, i == 0 ? v : NULL, v_step);
             else
 #endif
                 score_keys64_f32(q + (size_t)i * dim, nq, n, longest, k, k_step, scale,
