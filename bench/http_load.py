@@ -99,14 +99,18 @@ class GatewayProcess:
             self.process.wait()
 
 
-def start_gateway(redis_url: str, namespace: str, log_path: Path) -> GatewayProcess:
-    """Start a gateway on a free loopback port and wait until it sees a ready pool."""
+def start_gateway(
+    redis_url: str, namespace: str, log_path: Path, niceness: int = 0
+) -> GatewayProcess:
+    """Start a gateway on a free loopback port (`niceness` added to its scheduling niceness,
+    as `nice -n` would) and wait until it sees a ready pool."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = int(sock.getsockname()[1])
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "npu_pool.cli", "gateway", "--port", str(port)]
+            (["nice", "-n", str(niceness)] if niceness else [])
+            + [sys.executable, "-m", "npu_pool.cli", "gateway", "--port", str(port)]
             + ["--redis-url", redis_url, "--namespace", namespace],
             stdout=log,
             stderr=subprocess.STDOUT,

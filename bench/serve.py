@@ -121,6 +121,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--http-model", default=None, help="model name at --http-url")
     parser.add_argument("--http-api-key", default=None, help="Bearer key for --http-url")
     parser.add_argument(
+        "--gateway-nice",
+        type=int,
+        default=0,
+        help="start the --http gateway this much nicer (as `nice -n N npu-pool gateway`), so "
+        "ranks sharing its cores come first",
+    )
+    parser.add_argument(
         "--vllm-python",
         default=None,
         help="a Python with vLLM: add vLLM as a peer (needs --model DIR)",
@@ -189,7 +196,9 @@ def run(
                 processes.supervise,
             )
             if args.http:
-                gateway = start_gateway(url, settings.namespace, workdir / "gateway.log")
+                gateway = start_gateway(
+                    url, settings.namespace, workdir / "gateway.log", args.gateway_nice
+                )
             for level in levels:
                 before = pool_status(client.redis, client.keys, settings.pool, 0)
                 workload = Workload(
