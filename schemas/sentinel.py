@@ -11,7 +11,10 @@ never fail once it is a replica. Three changes here close that:
   connection, and closes its idle connections to any other server;
 - `still_primary` says whether the server the calling thread (or task) last wrote to is
   the primary now: an admission acknowledged by a stale primary (and by a replica that
-  has not yet been moved to the new one) is not an acknowledgement.
+  has not yet been moved to the new one) is not an acknowledgement;
+- while the only Sentinel answers of the newest epoch come from the Sentinel running that
+  epoch's failover, no primary is named at all: a paused old primary that answers again
+  between the promotion and the others hearing of it is not taken for the primary.
 """
 
 from __future__ import annotations
@@ -123,16 +126,23 @@ def redacted_url(url: str) -> str:
 
 
 def _newest(states: list[dict[str, Any]], service: str) -> Address:
-    """The primary named by the Sentinel answer of the highest configuration epoch."""
+    """The primary named by the Sentinel answers of the highest configuration epoch; none
+    while the only such answers come from the Sentinel running that epoch's failover."""
     if not states:
         raise MasterNotFoundError(f"no Sentinel names a primary for {service!r} now")
-    # the Sentinel that runs a failover names the old primary until it ends, under the
-    # epoch that the others already give the promoted one
-    best = max(
-        states,
-        key=lambda s: (int(s.get("config-epoch", 0)), "failover_in_progress" not in s["flags"]),
-    )
-    return str(best["ip"]), int(best["port"])
+    # The Sentinel that runs a failover names the old primary, under the new epoch, until
+    # the failover ends; the others name the promoted one once they hear of it. Between the
+    # promotion and then, an old primary that was only paused answers again and would be
+    # named by both: so neither that answer nor the older epochs' count.
+    newest = max(int(s.get("config-epoch", 0)) for s in states)
+    settled = [
+        s
+        for s in states
+        if int(s.get("config-epoch", 0)) == newest and "failover_in_progress" not in s["flags"]
+    ]
+    if not settled:
+        raise MasterNotFoundError(f"a failover of {service!r} is under way")
+    return str(settled[0]["ip"]), int(settled[0]["port"])
 
 
 class EpochSentinel(Sentinel):
@@ -217,7 +227,10 @@ def still_primary(client: redis.Redis) -> bool:
     pool = client.connection_pool
     if not isinstance(pool, SentinelConnectionPool):
         return True
-    return _last_server.get() == pool.proxy.get_master_address()
+    try:
+        return _last_server.get() == pool.proxy.get_master_address()
+    except MasterNotFoundError:  # a failover under way: no server is confirmed as primary
+        return False
 
 
 async def still_primary_async(client: aioredis.Redis) -> bool:
@@ -225,7 +238,10 @@ async def still_primary_async(client: aioredis.Redis) -> bool:
     pool = client.connection_pool
     if not isinstance(pool, AsyncSentinelPool):
         return True
-    return _last_server.get() == await pool.get_master_address()
+    try:
+        return _last_server.get() == await pool.get_master_address()
+    except MasterNotFoundError:
+        return False
 
 
 def _demoted(exc: redis.ResponseError) -> bool:

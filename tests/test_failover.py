@@ -22,7 +22,7 @@ from schemas.config import Settings
 from schemas.connection import connect, replicas_to_wait, sentinel_address
 from schemas.keys import GROUP, Keys
 from schemas.messages import ResultChunk
-from schemas.sentinel import still_primary
+from schemas.sentinel import MasterNotFoundError, _newest, still_primary
 from tests.helpers import (
     TIE_TOLERANCE,
     check_stream,
@@ -217,8 +217,11 @@ def test_a_client_leaves_a_server_that_is_no_longer_the_primary(
     # after a promotion, the server this thread wrote to is no longer the primary
     redis.Redis(port=sentinels.sentinel_ports[0]).execute_command("SENTINEL FAILOVER", SERVICE)
     wait_until(lambda: not still_primary(client), timeout_s=30, what="the promotion seen")
-    wait_until(lambda: retried(lambda: client.set("k", "4")), what="a write")
-    assert still_primary(client)
+    # (no server counts as the primary until a Sentinel besides the failover's leader names it)
+    wait_until(
+        lambda: retried(lambda: client.set("k", "4")) and still_primary(client),
+        what="a write on the server the Sentinels name",
+    )
     assert client.connection_pool.connection_kwargs["connection_pool"].master_address[1] != old
 
 
@@ -242,3 +245,21 @@ def test_an_entry_is_settled_only_where_its_final_chunk_is(redis_url: str) -> No
     client.xadd(result, {"m": b"c1", "seq": 1, "final": "1"})
     assert settled()
     assert client.xlen(stream) == 0 and client.xpending(stream, GROUP)["pending"] == 0
+
+
+def test_no_primary_is_named_while_only_the_failover_leader_speaks_for_the_new_epoch(
+    sentinels: SentinelDeployment,
+) -> None:
+    # what the Sentinels answer now, then the moment in a failover after the promotion when
+    # a paused old primary answers again: its leader names the old primary under the new
+    # epoch until it ends, a Sentinel not yet told names it under the old one
+    states = [redis.Redis(port=p).sentinel_master(SERVICE) for p in sentinels.sentinel_ports]
+    old = (states[0]["ip"], int(states[0]["port"]))
+    assert _newest(states, SERVICE) == old
+    epoch = int(states[0]["config-epoch"])
+    leader = states[0] | {"config-epoch": epoch + 1, "flags": {"master", "failover_in_progress"}}
+    behind = states[1] | {"config-epoch": epoch}
+    with pytest.raises(MasterNotFoundError, match="failover"):
+        _newest([leader, behind], SERVICE)
+    told = states[2] | {"config-epoch": epoch + 1, "ip": "127.0.0.1", "port": 1}
+    assert _newest([leader, behind, told], SERVICE) == ("127.0.0.1", 1)
