@@ -18,9 +18,10 @@ from typing import Any
 
 import torch
 
-from npu_worker.models.imported import ensure_smollm2, smollm2_gguf
-from npu_worker.models.loader import load_model
 from npu_worker.runner import LaunchRunner
+from npu_worker.weights.imported import ensure_smollm2, smollm2_gguf
+from npu_worker.weights.loader import load_model
+from schemas.control import PrefillChunk
 from schemas.registry import LaunchShapes
 
 QUESTIONS = [
@@ -48,11 +49,17 @@ def prompt_ids(tokenizer: Any) -> list[list[int]]:
     return chats + [tokenizer.encode(p, add_special_tokens=True) for p in PROMPTS]
 
 
+def prefill(runner: LaunchRunner, token_ids: list[int], start: int) -> torch.Tensor:
+    """[1, vocab] logits after one chunk of slot 0's prompt."""
+    chunk = PrefillChunk(slot=0, start=start, num_tokens=len(token_ids))
+    return runner.prefill([chunk], [token_ids]).logits[:, 0]
+
+
 def pool_logits(runner: LaunchRunner, prompt: list[int], continuation: list[int]) -> torch.Tensor:
     """[len(continuation), vocab]: the logits after the prompt and after each fed token."""
     logits = []
     for start in range(0, len(prompt), CHUNK):
-        out = runner.prefill(0, prompt[start : start + CHUNK], start)
+        out = prefill(runner, prompt[start : start + CHUNK], start)
     logits.append(out[0].float())
     for i, token in enumerate(continuation[:-1]):
         logits.append(runner.decode([0], [token], [len(prompt) + i])[0].float())
@@ -62,7 +69,7 @@ def pool_logits(runner: LaunchRunner, prompt: list[int], continuation: list[int]
 def pool_greedy(runner: LaunchRunner, prompt: list[int], max_tokens: int) -> list[int]:
     """The pool's own greedy continuation, one decode launch a token."""
     for start in range(0, len(prompt), CHUNK):
-        logits = runner.prefill(0, prompt[start : start + CHUNK], start)[0]
+        logits = prefill(runner, prompt[start : start + CHUNK], start)[0]
     tokens = [int(logits.argmax())]
     while len(tokens) < max_tokens:
         position = len(prompt) + len(tokens) - 1

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from npu_worker.models.presets import resolve_model_dir
+from npu_worker.weights.presets import resolve_model_dir
 
 RQ_QUEUE = "npupool-peer"
 

@@ -18,9 +18,12 @@ from typing import Any
 
 import torch
 
-from npu_worker.models.presets import load_for
+from npu_worker.kernels.cpu.layers import CpuKit
+from npu_worker.models.launch import Kit, KVCache
 from npu_worker.runner import LaunchRunner
+from npu_worker.weights.presets import load_for
 from schemas.config import Settings, add_settings_flags, settings_from_args
+from schemas.control import PrefillChunk
 
 BUDGET_S = 5.0  # per measurement: a large model on a CPU takes fewer than `iters` samples
 
@@ -46,7 +49,8 @@ def _sync(device: torch.device) -> None:
 
 
 def _prefill_call(runner: LaunchRunner, prompt: list[int], start: int) -> Callable[[], Any]:
-    return lambda: runner.prefill(0, prompt, start)
+    chunks = [PrefillChunk(slot=0, start=start, num_tokens=len(prompt))]
+    return lambda: runner.prefill(chunks, [prompt])
 
 
 def _decode_call(runner: LaunchRunner, position: int) -> Callable[[], Any]:
@@ -72,15 +76,17 @@ def _verify_call(runner: LaunchRunner, position: int) -> Callable[[], Any]:
 
 
 def attention_bandwidth(
-    runner: LaunchRunner, num_heads: int, context: int, iters: int
+    runner: LaunchRunner, kit: Kit, num_heads: int, context: int, iters: int
 ) -> dict[str, Any] | None:
     """Bytes per second of one layer's decode attention (every row at `context`) through
-    the decode kernel, against a plain sum streaming the same cache bytes; None without
-    the kernel or without per-layer K/V buffers (DeepSeek-V4's per-slot state has none)."""
-    kernel = runner.cache.decode_kernel
-    if kernel is None or not runner.cache.k:
+    the CPU kernels (the model's `kit`), against a plain sum streaming the same cache bytes;
+    None without the kernels or without per-layer K/V buffers (DeepSeek-V4's per-slot state
+    has none)."""
+    kernel = kit.library if isinstance(kit, CpuKit) else None
+    state = runner.state
+    if kernel is None or not isinstance(state, KVCache):
         return None
-    k, v = runner.cache.k[0], runner.cache.v[0]
+    k, v = state.k[0], state.v[0]
     if not kernel.supports(k):
         return None
     batch, head_dim = runner.decode_batch, k.shape[-1]
@@ -115,11 +121,7 @@ def measure(settings: Settings, iters: int) -> dict[str, Any]:
     device = loaded.device
     batch, chunk = settings.decode_batch, settings.prefill_chunk
     shapes = settings.launch_shapes()
-    runner = LaunchRunner(
-        loaded.model,
-        replace(shapes, num_slots=max(shapes.num_slots, batch)),
-        decode_kernel=settings.decode_kernel,
-    )
+    runner = LaunchRunner(loaded.model, replace(shapes, num_slots=max(shapes.num_slots, batch)))
     runner.warm_up()
     prompt = [5] * chunk
     launches: list[dict[str, Any]] = []
@@ -165,7 +167,10 @@ def measure(settings: Settings, iters: int) -> dict[str, Any]:
     elapsed = time.perf_counter() - started
     num_heads = getattr(loaded.config, "num_heads", None)
     attention = (
-        [attention_bandwidth(runner, num_heads, c, iters) for c in sorted({chunk, context})]
+        [
+            attention_bandwidth(runner, loaded.model.kit, num_heads, c, iters)
+            for c in sorted({chunk, context})
+        ]
         if isinstance(num_heads, int)
         else []
     )

@@ -23,11 +23,13 @@ from typing import Literal
 
 import torch
 
-from npu_worker.models.cpu_kernels import has_avx512, load_cpu_kernels
-from npu_worker.models.cpu_linear import pack_linears
-from npu_worker.models.presets import load_for
+from npu_worker.kernels.cpu.layers import CpuKit
+from npu_worker.kernels.cpu.library import has_avx512, load_cpu_kernels
 from npu_worker.runner import LaunchRunner
+from npu_worker.weights.loader import load_model
+from npu_worker.weights.presets import resolve_model_dir
 from schemas.config import Settings
+from schemas.control import PrefillChunk
 
 DType = Literal["float32", "bfloat16"]
 # dtype, decode kernel, packed linears, the kernels' products
@@ -55,13 +57,15 @@ def runners(model: str, batch: int, max_model_len: int) -> dict[str, LaunchRunne
             kv_slots_per_rank=batch,
             max_model_len=max_model_len,
         )
-        loaded = load_for(settings)
-        if packed:  # packed here, so the runner's start-up probe does not choose
-            pack_linears(loaded.model, kernels=kernels, kernel_products=products)
+        # each variant's kit chosen here, so the start-up probe does not choose the products
+        kit = CpuKit(kernels if kernel else None, packed, kernel_products=products)
+        loaded = load_model(
+            resolve_model_dir(model), dtype, torch.device("cpu"), settings.max_kv_len, kit=kit
+        )
         shapes = replace(settings.launch_shapes(), num_slots=batch)
         name = f"{dtype} {'kernel' if kernel else 'matmul'}{' packed' if packed else ''}"
         name += " own-products" if products else ""
-        out[name] = LaunchRunner(loaded.model, shapes, decode_kernel=kernel, packed_linears=packed)
+        out[name] = LaunchRunner(loaded.model, shapes)
     return out
 
 
@@ -109,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.rounds):
             for name, runner in by_name.items():
                 began = time.perf_counter()
-                runner.prefill(0, chunk, 0)
+                runner.prefill([PrefillChunk(0, 0, len(chunk))], [chunk])
                 times[name].append((time.perf_counter() - began) * 1000)
         print(f"{args.model} B1S128 prefill: " + summary(times))
     return 0

@@ -32,12 +32,13 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from npu_worker.expert_parallel import ProcessGroupExperts, process_group
-from npu_worker.models import deepseek_v4_blocks as blocks
-from npu_worker.models.deepseek_v4 import DeepseekV4CausalLM
-from npu_worker.models.deepseek_v4_attention import Attention, Compressor, Indexer
-from npu_worker.models.deepseek_v4_config import CSA, HCA, SLIDING
-from npu_worker.models.loader import load_model
+from npu_worker.models.deepseek_v4 import blocks
+from npu_worker.models.deepseek_v4.attention import Attention, Compressor, Indexer
+from npu_worker.models.deepseek_v4.config import CSA, HCA, SLIDING
+from npu_worker.models.deepseek_v4.model import DeepseekV4CausalLM
 from npu_worker.runner import LaunchRunner
+from npu_worker.weights.loader import load_model
+from schemas.control import PrefillChunk
 from schemas.registry import LaunchShapes
 
 KIND_NAMES = {SLIDING: "sliding", CSA: "CSA", HCA: "HCA"}
@@ -182,7 +183,8 @@ def run(args: argparse.Namespace, rank: int, size: int, store_path: str) -> Resu
     for slot in range(batch):  # every decode row `context` tokens in
         prompt = [rng.randrange(2, vocab) for _ in range(context)]
         for start in range(0, context, chunk):
-            runner.prefill(slot, prompt[start : start + chunk], start)
+            part = prompt[start : start + chunk]
+            runner.prefill([PrefillChunk(slot, start, len(part))], [part])
     rows = list(range(batch))
     tokens = [rng.randrange(2, vocab) for _ in rows]
     chunk_ids = [rng.randrange(2, vocab) for _ in range(chunk)]
@@ -191,7 +193,10 @@ def run(args: argparse.Namespace, rank: int, size: int, store_path: str) -> Resu
             lambda: runner.decode(rows, tokens, [context] * batch),
             args.launches,
         ),
-        f"B1S{chunk} prefill": (lambda: runner.prefill(batch, chunk_ids, 0), args.launches // 4),
+        f"B1S{chunk} prefill": (
+            lambda: runner.prefill([PrefillChunk(batch, 0, chunk)], [chunk_ids]),
+            args.launches // 4,
+        ),
     }
     results: Results = {}
     for name, (call, launches) in calls.items():

@@ -15,7 +15,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from npu_worker.models.deepseek_v4_config import (
+from npu_worker.models.deepseek_v4.config import (
     CSA,
     HCA,
     SLIDING,

@@ -23,7 +23,7 @@ from tokenizers import Tokenizer
 from bench.loadgen import Workload
 from bench.vllm_bench import run_offline
 from bench.vllm_env import check_vllm_peer
-from npu_worker.models.loader import load_model
+from npu_worker.weights.loader import load_model
 from schemas.config import Settings
 
 TIE_TOLERANCE = 1e-3  # a top-2 logit gap under this may resolve either way in float32

@@ -52,7 +52,7 @@ VLLM_PY="$VLLM_VENV/bin/python"
 print(f'vLLM {vllm.__version__}, torch {torch.__version__}: {vllm.__file__}')"
 
 if [ ! -f "$MODEL_DIR/config.json" ]; then
-    python bench/make_llama3m.py "$MODEL_DIR"
+    python -m npu_worker.weights.makers.llama3m "$MODEL_DIR"
 fi
 python bench/vllm_check.py --model "$MODEL_DIR" --vllm-python "$VLLM_PY"
 

@@ -24,7 +24,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "status": ("producer.cli", "status_main", "show pools, ranks and the queue"),
     "batch": ("producer.batch.cli", "main", "offline batch jobs through RQ"),
     "bench": ("bench.serve", "main", "benchmarks: --kernels for the launch microbenchmark"),
-    "models": ("npu_worker.models.cli", "main", "models import FILE.gguf: a model directory"),
+    "models": ("npu_worker.weights.cli", "main", "models import FILE.gguf: a model directory"),
     "gateway": (
         "producer.gateway.cli",
         "main",

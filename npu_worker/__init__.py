@@ -1,2 +1,3 @@
-"""A worker rank: the rank process (plan reader, engine, runner, backends, sampler, MTP), its
-models (`models/`) and its torch-free output process (`output/`)."""
+"""A worker rank: the rank process (service, rank, plans), its compute (engine, runner,
+backends, sampler, MTP, expert parallelism), its models (`models/`), each backend's kernels
+(`kernels/`), the weight store (`weights/`) and its torch-free output process (`output/`)."""

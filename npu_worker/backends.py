@@ -7,7 +7,9 @@
 
 A launch is the main model (`forward`) or the MTP draft (`draft`, fed the main model's
 hidden states). Graph backends read the KV cache by slot ids (a gather), since a captured
-graph cannot take a different in-place window on every replay.
+graph cannot take a different in-place window on every replay. What a model's layers
+compute with (on the CPU, its kernels and packed products) was chosen when it was built
+(npu_worker/kernels/); a backend only runs it.
 """
 
 from __future__ import annotations
@@ -17,10 +19,7 @@ from typing import Any, Protocol
 
 import torch
 
-from npu_worker.models.cpu_kernels import load_cpu_kernels
-from npu_worker.models.cpu_linear import pack_linears
-from npu_worker.models.launch import KVCache, LaunchInputs, LaunchModel, LaunchOutput
-from npu_worker.models.layers import CPU_KERNELS
+from npu_worker.models.launch import LaunchInputs, LaunchModel, LaunchOutput, ModelState
 
 
 class LaunchBackend(Protocol):
@@ -36,50 +35,21 @@ class LaunchBackend(Protocol):
 
 
 class EagerBackend:
-    """Plain torch at static shapes; on the CPU, decode attention through the decode kernel
-    where it builds (`decode_kernel`), so each row reads only its own keys, and bfloat16
-    linear layers on weights packed once for oneDNN (the same bits, cpu_linear.py)."""
+    """Plain calls at static shapes; its name says what the model's layer kit computes its
+    own way (on the CPU: `+decode-kernel`, `+packed-linears`, `+kernel-products`)."""
 
-    name = "eager"
     reads_in_place = True
     packs = True
 
-    def __init__(
-        self,
-        model: LaunchModel,
-        cache: KVCache,
-        decode_kernel: bool = False,
-        packed_linears: bool = True,
-        max_rows: int = 128,
-    ) -> None:
-        self.model, self.cache = model, cache
-        if cache.device.type != "cpu":
-            return
-        if decode_kernel:
-            cache.decode_kernel = load_cpu_kernels()
-            if cache.decode_kernel is not None:
-                self.name += "+decode-kernel"
-        if packed_linears:
-            pack_linears(model, max_rows, cache.decode_kernel)
-        modules = list(model.modules())
-        if any(getattr(m, "packed_weight", None) is not None for m in modules):
-            self.name += "+packed-linears"
-        if any(getattr(m, "packed_by", None) is not None for m in modules):
-            self.name += "+kernel-products"
+    def __init__(self, model: LaunchModel[Any], state: ModelState) -> None:
+        self.model, self.state = model, state
+        self.name = "eager" + model.kit.name
 
     def run(self, launch: LaunchInputs) -> LaunchOutput:
-        token = CPU_KERNELS.set(self.cache.decode_kernel)
-        try:
-            return self.model(launch, self.cache)
-        finally:
-            CPU_KERNELS.reset(token)
+        return self.model(launch, self.state)
 
     def draft(self, launch: LaunchInputs, hidden: torch.Tensor) -> torch.Tensor:
-        token = CPU_KERNELS.set(self.cache.decode_kernel)
-        try:
-            return self.model.draft(launch, hidden, self.cache)
-        finally:
-            CPU_KERNELS.reset(token)
+        return self.model.draft(launch, hidden, self.state)
 
 
 class CudaGraphBackend:
@@ -89,8 +59,8 @@ class CudaGraphBackend:
     reads_in_place = False
     packs = True
 
-    def __init__(self, model: LaunchModel, cache: KVCache) -> None:
-        self.model, self.cache = model, cache
+    def __init__(self, model: LaunchModel[Any], state: ModelState) -> None:
+        self.model, self.state = model, state
         self.graphs: dict[
             tuple[Any, ...], tuple[torch.cuda.CUDAGraph, LaunchInputs, torch.Tensor | None, Any]
         ] = {}
@@ -133,7 +103,7 @@ class CudaGraphBackend:
     ) -> tuple[torch.cuda.CUDAGraph, LaunchInputs, torch.Tensor | None, Any]:
         static = LaunchInputs(
             input_ids=torch.zeros_like(launch.input_ids),
-            positions=torch.full_like(launch.positions, self.cache.scratch_position),
+            positions=torch.full_like(launch.positions, self.state.scratch_position),
             slot_ids=torch.zeros_like(launch.slot_ids),
             logit_index=torch.zeros_like(launch.logit_index),
             span=launch.span,
@@ -147,9 +117,9 @@ class CudaGraphBackend:
         )
         static_hidden = torch.zeros_like(hidden) if hidden is not None else None
         call: Callable[[], Any] = (
-            (lambda: self.model(static, self.cache))
+            (lambda: self.model(static, self.state))
             if program == "forward"
-            else (lambda: self.model.draft(static, static_hidden, self.cache))  # type: ignore[arg-type]
+            else (lambda: self.model.draft(static, static_hidden, self.state))  # type: ignore[arg-type]
         )
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -169,14 +139,14 @@ class NpuBackend:
     reads_in_place = False
     packs = False  # a compiled B1S128 kernel takes one request per call
 
-    def __init__(self, model: LaunchModel, cache: KVCache) -> None:
+    def __init__(self, model: LaunchModel[Any], state: ModelState) -> None:
         try:
             import torch_npu  # noqa: F401
         except ImportError as exc:
             raise RuntimeError(
                 "the npu backend needs torch_npu: pip install 'npu-pool[npu]'"
             ) from exc
-        self.model, self.cache = model, cache
+        self.model, self.state = model, state
         self.name = "npu-eager"
         self.forward: Callable[..., Any] = model.forward
         self.draft_forward: Callable[..., Any] = model.draft
@@ -191,25 +161,19 @@ class NpuBackend:
             pass
 
     def run(self, launch: LaunchInputs) -> LaunchOutput:
-        return self.forward(launch, self.cache)
+        return self.forward(launch, self.state)
 
     def draft(self, launch: LaunchInputs, hidden: torch.Tensor) -> torch.Tensor:
-        return self.draft_forward(launch, hidden, self.cache)
+        return self.draft_forward(launch, hidden, self.state)
 
 
 def make_backend(
-    model: LaunchModel,
-    cache: KVCache,
-    device: torch.device,
-    cuda_graphs: bool = True,
-    decode_kernel: bool = True,
-    packed_linears: bool = True,
-    max_rows: int = 128,
+    model: LaunchModel[Any], state: ModelState, device: torch.device, cuda_graphs: bool = True
 ) -> LaunchBackend:
     """The backend for a device: graphs on CUDA (unless disabled), torch_npu on NPU, else
-    eager (on the CPU with the decode kernel, unless disabled)."""
+    eager."""
     if device.type == "cuda" and cuda_graphs:
-        return CudaGraphBackend(model, cache)
+        return CudaGraphBackend(model, state)
     if device.type == "npu":
-        return NpuBackend(model, cache)
-    return EagerBackend(model, cache, decode_kernel, packed_linears, max_rows)
+        return NpuBackend(model, state)
+    return EagerBackend(model, state)

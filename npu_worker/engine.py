@@ -19,10 +19,9 @@ from typing import Any
 
 import torch
 
-from npu_worker.models.launch import LaunchOutput
 from npu_worker.mtp import Acceptance, accept_drafts
 from npu_worker.output.records import StepRecord, TokenRow
-from npu_worker.runner import LaunchRunner, Segment
+from npu_worker.runner import LaunchRunner
 from npu_worker.sampler import SamplingTable, sample, token_logprobs
 from schemas.control import NewRequest, PrefillChunk, RankStepPlan
 
@@ -81,7 +80,7 @@ class RankEngine:
         self.lockstep = lockstep
         self.epoch = -1
         self.slots: dict[int, SlotState] = {}
-        self.table = SamplingTable(runner.cache.num_slots, runner.device)
+        self.table = SamplingTable(runner.state.num_slots, runner.device)
         self.sampled: list[_Sampled] = []
         self.touched: dict[int, SlotState] = {}
         self.totals = {"tokens": 0, "steps": 0, "decode_rows": 0, "padding_rows": 0}
@@ -205,10 +204,10 @@ class RankEngine:
                 self.runner.dummy_prefill()
             return
         record.counts.num_prefill_tokens += sum(chunk.num_tokens for chunk, _ in live)
-        segments = [
-            Segment(c.slot, s.token_ids[c.start : c.start + c.num_tokens], c.start) for c, s in live
-        ]
-        out = self._prefill_launch(segments)
+        chunks = [chunk for chunk, _ in live]
+        out = self.runner.prefill(
+            chunks, [s.token_ids[c.start : c.start + c.num_tokens] for c, s in live]
+        )
         finals = [
             (j, s)
             for j, (c, s) in enumerate(live)
@@ -219,27 +218,13 @@ class RankEngine:
         if self.runner.mtp:  # also for requests that just ended: the launches stay the same
             self._commit_sampled()  # the drafts read the sampled first tokens
             next_ids = [
-                s.token_ids[g.start + 1 : g.end + 1] or [0] for g, (_, s) in zip(segments, live)
+                s.token_ids[c.start + 1 : c.start + c.num_tokens + 1] or [0] for c, s in live
             ]
-            drafts = self._prefill_drafts(segments, out.hidden, next_ids)
+            drafts = self.runner.draft_prefill(chunks, out.hidden, next_ids)
             for j, state in finals:
                 if state.finish is None:
                     position = state.num_context_tokens
                     self.runner.set_tail(state.slot, state.token_ids[position], position, drafts[j])
-
-    def _prefill_launch(self, segments: list[Segment]) -> LaunchOutput:
-        if self.runner.packs:
-            return self.runner.prefill_packed(segments)
-        (segment,) = segments  # a backend that does not pack gets one request per launch
-        return self.runner.prefill_launch(segment.slot, segment.token_ids, segment.start)
-
-    def _prefill_drafts(
-        self, segments: list[Segment], hidden: torch.Tensor, next_ids: list[list[int]]
-    ) -> list[int]:
-        if self.runner.packs:
-            return self.runner.draft_packed(segments, hidden, next_ids)
-        (segment,) = segments
-        return [self.runner.prefill_draft(segment.slot, hidden, next_ids[0], segment.start)]
 
     def _verify(self, live: list[int], states: list[SlotState], record: StepRecord) -> None:
         """MTP decode: verify each row's draft, commit one or two tokens, draft again."""

@@ -22,14 +22,13 @@ from prometheus_client import CollectorRegistry
 
 from npu_worker.engine import RankEngine
 from npu_worker.expert_parallel import LOOPBACK, ExpertParallel, Rendezvous
-from npu_worker.models.config import UnsupportedModel
 from npu_worker.models.moe import ExpertModel
-from npu_worker.models.presets import load_for
 from npu_worker.output.process import OutputProcess
 from npu_worker.plans import PlanReader
 from npu_worker.rank_metrics import RankMetrics
 from npu_worker.runner import LaunchRunner
 from npu_worker.startup import rank_hash_reporter
+from npu_worker.weights.presets import load_for
 from schemas.config import Settings
 from schemas.connection import connect, last_entry_id, reset_connections
 from schemas.keys import Keys
@@ -71,9 +70,10 @@ class Worker:
     def run(self) -> None:
         """Load, warm up, announce ready, then execute plans until stopped.
 
-        A model that cannot load for a reason no restart fixes (configuration, missing
-        files, unsupported architecture) marks the rank `failed` with the reason and raises
-        RankFailed: its supervisor must not restart it."""
+        A model that cannot be loaded or prepared (configuration, missing files, an
+        unsupported architecture, packing or warm-up failing: the same again after a
+        restart) marks the rank `failed` with the reason and raises RankFailed: its
+        supervisor must not restart it. Only losing Redis is worth a restart."""
         heartbeat = threading.Thread(target=self._heartbeat_loop, daemon=True)
         final_state = RankState.STOPPED
         try:
@@ -81,13 +81,18 @@ class Worker:
             heartbeat.start()
             try:
                 self.engine = self._load()
-            except (UnsupportedModel, ValueError) as exc:
+            except REDIS_ERRORS:
+                raise
+            except Exception as exc:  # loading, packing or warming up: a restart fails alike
                 final_state = RankState.FAILED
+                reason = _reason(exc)
+                if not isinstance(exc, ValueError):
+                    log.exception("rank %d failed preparing its model", self.rank)
                 self.redis.hset(
                     self.rank_key,
-                    mapping={RankField.STATE: final_state.value, RankField.REASON: str(exc)},
+                    mapping={RankField.STATE: final_state.value, RankField.REASON: reason},
                 )
-                raise RankFailed(str(exc)) from exc
+                raise RankFailed(reason) from exc
             if self.settings.metrics_port:
                 self._serve_metrics(self.engine, self.settings.metrics_port + 1 + self.rank)
             self.output = OutputProcess(self.settings, self.rank, self.tokenizer)
@@ -179,9 +184,7 @@ class Worker:
                 RankField.MODEL: str(loaded.path),
             },
         )
-        runner = LaunchRunner(
-            loaded.model, settings.launch_shapes(), decode_kernel=settings.decode_kernel
-        )
+        runner = LaunchRunner(loaded.model, settings.launch_shapes())
         self.redis.hset(
             self.rank_key,
             mapping={
@@ -306,3 +309,11 @@ class Worker:
     def request_stop(self, *_: object) -> None:
         """Signal handler: finish the current step, then exit."""
         self.stop_event.set()
+
+
+def _reason(exc: Exception) -> str:
+    """What a rank that cannot prepare its model says: a configuration error's own message,
+    anything else with its type (an AttributeError's message alone does not say much)."""
+    if isinstance(exc, ValueError):  # UnsupportedModel included
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"

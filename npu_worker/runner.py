@@ -10,18 +10,24 @@ positions (a multiple of `prefill_chunk` at or above the longest context).
 With MTP, each request's committed tail (last committed token, its position, the draft)
 lives in a per-rank pool indexed by KV slot, on the device: a verify launch gathers its
 rows from it once and `commit` scatters them back once.
+
+One entry per launch kind: `prefill` (chunks of one or several requests, as
+`schemas.control.PrefillChunk` with their tokens) and its MTP draft `draft_prefill`,
+`decode` (rows), `verify` (rows) with its draft `commit`, and `dummy_prefill` (lockstep).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
 from npu_worker.backends import make_backend
 from npu_worker.models.launch import LaunchInputs, LaunchModel, LaunchOutput
 from npu_worker.startup import ReportProgress, no_progress
+from schemas.control import PrefillChunk
 from schemas.registry import LaunchShapes
 
 
@@ -32,20 +38,6 @@ class TailPool:
     token: torch.Tensor  # [slots] long
     position: torch.Tensor  # [slots] long
     draft: torch.Tensor  # [slots] long
-
-
-@dataclass(slots=True)
-class Segment:
-    """One request's part of a prefill launch: `token_ids` from position `start` of `slot`."""
-
-    slot: int
-    token_ids: list[int]
-    start: int
-
-    @property
-    def end(self) -> int:
-        """The position after its last token."""
-        return self.start + len(self.token_ids)
 
 
 @dataclass(slots=True)
@@ -77,30 +69,22 @@ class LaunchRunner:
     """Runs prefill, decode, and MTP verify/draft launches of one rank on its device."""
 
     def __init__(
-        self,
-        model: LaunchModel,
-        shapes: LaunchShapes,
-        cuda_graphs: bool = True,
-        decode_kernel: bool = True,
-        packed_linears: bool = True,
+        self, model: LaunchModel[Any], shapes: LaunchShapes, cuda_graphs: bool = True
     ) -> None:
         self.mtp = model.mtp is not None
         self.model_packs = model.packs
         # what this rank runs, as it registers it: verify launches only with an MTP module
         self.shapes = replace(shapes, mtp=self.mtp)
         self.prefill_segments = shapes.prefill_segments  # packed launches: segments, at most
-        self.prefill_chunk = prefill_chunk = shapes.prefill_chunk
+        self.prefill_chunk = shapes.prefill_chunk
         self.decode_batch = decode_batch = shapes.decode_batch
         num_slots = shapes.num_slots
-        self.cache = model.new_cache(num_slots, shapes.max_kv_len)
-        self.device = self.cache.device
-        max_rows = max(prefill_chunk, decode_batch * (2 if self.mtp else 1))  # rows a launch
-        self.backend = make_backend(
-            model, self.cache, self.device, cuda_graphs, decode_kernel, packed_linears, max_rows
-        )
+        self.state = model.new_state(num_slots, shapes.max_kv_len)
+        self.device = self.state.device
+        self.backend = make_backend(model, self.state, self.device, cuda_graphs)
         # graph backends capture one shape per span, so spans are whole prefill chunks;
         # eager ones capture nothing and read only as far as the context needs
-        self.span_step = prefill_chunk if not self.backend.reads_in_place else EAGER_SPAN_STEP
+        self.span_step = self.prefill_chunk if not self.backend.reads_in_place else EAGER_SPAN_STEP
         zeros = torch.zeros(num_slots, dtype=torch.long, device=self.device)
         self.tail = TailPool(zeros.clone(), zeros.clone(), zeros.clone())
         self.decode_logit_index = torch.zeros(decode_batch, 1, dtype=torch.long, device=self.device)
@@ -115,12 +99,12 @@ class LaunchRunner:
 
     def spans(self) -> list[int]:
         """Every cache span a launch may read: the captured shapes of graph backends."""
-        return list(range(self.prefill_chunk, self.cache.max_kv_len + 1, self.prefill_chunk))
+        return list(range(self.prefill_chunk, self.state.max_kv_len + 1, self.prefill_chunk))
 
     def span_for(self, context_len: int) -> int:
         """Cache positions a launch reads: whole `span_step`s covering `context_len`."""
         steps = -(-context_len // self.span_step)
-        return min(self.cache.max_kv_len, steps * self.span_step)
+        return min(self.state.max_kv_len, steps * self.span_step)
 
     def warm_up(self, progress: ReportProgress = no_progress) -> None:
         """Run (and so capture, on graph backends) every launch shape before any request."""
@@ -140,98 +124,37 @@ class LaunchRunner:
 
     # -- prefill --------------------------------------------------------------------------
 
-    def prefill_launch(self, slot: int, token_ids: list[int], start: int) -> LaunchOutput:
-        """One B1S`prefill_chunk` launch; logits of its last real token, hidden of all."""
-        size = self.prefill_chunk
-        if not 0 < len(token_ids) <= size or start % size:
-            raise ValueError(f"bad prefill chunk: {len(token_ids)} tokens at start {start}")
-        padding = size - len(token_ids)  # padding tokens write the scratch position only
-        launch = LaunchInputs(
-            input_ids=self._tensor([token_ids + [0] * padding]),
-            positions=self._positions(start, len(token_ids), padding),
-            slot_ids=self._tensor([slot]),
-            logit_index=self._tensor([[len(token_ids) - 1]]),
-            span=start + size,
-            window_start=slot if self.backend.reads_in_place else None,
-        )
-        return self._run("prefill", launch)
+    def prefill(self, chunks: list[PrefillChunk], token_ids: list[list[int]]) -> LaunchOutput:
+        """One B1S`prefill_chunk` launch of `chunks` (chunk j feeding `token_ids[j]`, its
+        `num_tokens` tokens, from position `chunks[j].start` of its slot): logits
+        [1, chunks, vocab] at each chunk's last token, hidden states of all. Several chunks
+        only where the runner packs."""
+        return self._launch("prefill", self._prefill_inputs(chunks, token_ids))
 
-    def prefill(self, slot: int, token_ids: list[int], start: int) -> torch.Tensor:
-        """One prefill launch; the [1, vocab] logits of its last real token."""
-        return self.prefill_launch(slot, token_ids, start).logits[:, 0]
-
-    def prefill_draft(
-        self, slot: int, hidden: torch.Tensor, next_ids: list[int], start: int
-    ) -> int:
-        """MTP over a prefilled chunk (fills the MTP cache layer); the draft after its end.
-
-        `next_ids[i]` is the token after chunk position i: the next prompt token, or the
-        sampled first token for the prompt's last position.
-        """
-        size = self.prefill_chunk
-        padding = size - len(next_ids)
-        launch = LaunchInputs(
-            input_ids=self._tensor([next_ids + [0] * padding]),
-            positions=self._positions(start, len(next_ids), padding),
-            slot_ids=self._tensor([slot]),
-            logit_index=self._tensor([[len(next_ids) - 1]]),
-            span=start + size,
-            window_start=slot if self.backend.reads_in_place else None,
-        )
-        return int(self._draft(launch, hidden).argmax(-1)[0, 0])
-
-    def prefill_packed(self, segments: list[Segment]) -> LaunchOutput:
-        """One B1S`prefill_chunk` launch carrying several requests' segments back to back;
-        logits [1, segments, vocab] at each segment's last token, hidden of all."""
-        return self._run("prefill", self._packed(segments, [s.token_ids for s in segments]))
-
-    def draft_packed(
-        self, segments: list[Segment], hidden: torch.Tensor, next_ids: list[list[int]]
+    def draft_prefill(
+        self, chunks: list[PrefillChunk], hidden: torch.Tensor, next_ids: list[list[int]]
     ) -> list[int]:
-        """MTP over a packed launch (fills the MTP cache layer): the draft after each
-        segment's end. `next_ids[j][i]` is the token after segment j's position i."""
-        drafted = self._draft(self._packed(segments, next_ids), hidden)
-        return drafted[0, : len(segments)].argmax(-1).tolist()
+        """MTP over a prefill launch (fills the MTP cache layer): the draft after each
+        chunk's end. `next_ids[j][i]` is the token after chunk j's position i: the next
+        prompt token, or the sampled first token for the prompt's last position."""
+        drafted = self._launch("draft", self._prefill_inputs(chunks, next_ids), hidden)
+        return drafted[0, : len(chunks)].argmax(-1).tolist()
 
-    def _packed(self, segments: list[Segment], token_ids: list[list[int]]) -> LaunchInputs:
-        size, scratch = self.prefill_chunk, self.cache.scratch_position
-        if not segments or sum(len(s.token_ids) for s in segments) > size:
-            raise ValueError(f"bad packed launch: {[len(s.token_ids) for s in segments]} tokens")
-        ids: list[int] = []
-        positions: list[int] = []
-        owners: list[int] = []
-        ends: list[int] = []
-        for j, (segment, tokens) in enumerate(zip(segments, token_ids)):
-            ids += tokens
-            positions += range(segment.start, segment.start + len(tokens))
-            owners += [j] * len(tokens)
-            ends.append(len(ids) - 1)
-        padding = size - len(ids)  # padding tokens: segment 0's slot, the scratch position
-        slots = [s.slot for s in segments]
-        packed_keys = None
-        if self.backend.reads_in_place:  # eager: attend over exactly the segments' keys
-            key_slots: list[int] = []
-            key_positions: list[int] = []
-            key_segments: list[int] = []
-            for j, segment in enumerate(segments):
-                key_slots += [segment.slot] * segment.end
-                key_positions += range(segment.end)
-                key_segments += [j] * segment.end
-            packed_keys = self._tensor([key_slots, key_positions, key_segments])
-        else:  # graph backends: a fixed number of segments
-            slots += [slots[0]] * (self.prefill_segments - len(slots))
-            ends += [0] * (self.prefill_segments - len(ends))
-        return LaunchInputs(
-            input_ids=self._tensor([ids + [0] * padding]),
-            positions=self._tensor([positions + [scratch] * padding]),
-            slot_ids=self._tensor(slots[:1]),
-            logit_index=self._tensor([ends]),
-            span=self.span_for(max(s.end for s in segments)),
-            window_start=None,
-            segment_slots=self._tensor(slots),
-            token_segments=self._tensor(owners + [0] * padding),
-            packed_keys=packed_keys,
+    def dummy_prefill(self, span: int | None = None) -> None:
+        """A prefill launch (and its MTP draft launch) that touches only scratch positions:
+        the lockstep filler, the same launches a real chunk runs."""
+        scratch = self.state.scratch_position
+        launch = LaunchInputs(
+            input_ids=self._tensor([[0] * self.prefill_chunk]),
+            positions=self._tensor([[scratch] * self.prefill_chunk]),
+            slot_ids=self._tensor([0]),
+            logit_index=self._tensor([[0]]),
+            span=span or self.prefill_chunk,
+            window_start=0 if self.backend.reads_in_place else None,
         )
+        out = self._launch("prefill", launch)
+        if self.mtp:
+            self._launch("draft", launch, out.hidden)
 
     def set_tail(self, slot: int, token: int, position: int, draft: int) -> None:
         """Start a request's committed tail after its prompt."""
@@ -241,21 +164,71 @@ class LaunchRunner:
             draft,
         )
 
-    def dummy_prefill(self, span: int | None = None) -> None:
-        """A prefill launch (and its MTP draft launch) that touches only scratch positions:
-        the lockstep filler, the same launches a real chunk runs."""
-        scratch = self.cache.scratch_position
-        launch = LaunchInputs(
-            input_ids=self._tensor([[0] * self.prefill_chunk]),
-            positions=self._tensor([[scratch] * self.prefill_chunk]),
-            slot_ids=self._tensor([0]),
-            logit_index=self._tensor([[0]]),
-            span=span or self.prefill_chunk,
-            window_start=0 if self.backend.reads_in_place else None,
+    def _prefill_inputs(
+        self, chunks: list[PrefillChunk], token_ids: list[list[int]]
+    ) -> LaunchInputs:
+        if self.packs:
+            return self._packed(chunks, token_ids)
+        if len(chunks) != 1:
+            raise ValueError(f"this runner does not pack: {len(chunks)} chunks in one launch")
+        return self._single(chunks[0].slot, token_ids[0], chunks[0].start)
+
+    def _single(self, slot: int, token_ids: list[int], start: int) -> LaunchInputs:
+        """One request's chunk at its slot, read in place on eager backends."""
+        size = self.prefill_chunk
+        if not 0 < len(token_ids) <= size or start % size:
+            raise ValueError(f"bad prefill chunk: {len(token_ids)} tokens at start {start}")
+        padding = size - len(token_ids)  # padding tokens write the scratch position only
+        return LaunchInputs(
+            input_ids=self._tensor([token_ids + [0] * padding]),
+            positions=self._positions(start, len(token_ids), padding),
+            slot_ids=self._tensor([slot]),
+            logit_index=self._tensor([[len(token_ids) - 1]]),
+            span=start + size,
+            window_start=slot if self.backend.reads_in_place else None,
         )
-        out = self._run("prefill", launch)
-        if self.mtp:
-            self._draft(launch, out.hidden)
+
+    def _packed(self, chunks: list[PrefillChunk], token_ids: list[list[int]]) -> LaunchInputs:
+        """Several requests' chunks back to back, each token at its own slot and position."""
+        size, scratch = self.prefill_chunk, self.state.scratch_position
+        if not chunks or sum(len(t) for t in token_ids) > size:
+            raise ValueError(f"bad packed launch: {[len(t) for t in token_ids]} tokens")
+        ids: list[int] = []
+        positions: list[int] = []
+        owners: list[int] = []
+        ends: list[int] = []
+        for j, (chunk, tokens) in enumerate(zip(chunks, token_ids, strict=True)):
+            ids += tokens
+            positions += range(chunk.start, chunk.start + len(tokens))
+            owners += [j] * len(tokens)
+            ends.append(len(ids) - 1)
+        padding = size - len(ids)  # padding tokens: chunk 0's slot, the scratch position
+        slots = [c.slot for c in chunks]
+        chunk_ends = [c.start + c.num_tokens for c in chunks]
+        packed_keys = None
+        if self.backend.reads_in_place:  # eager: attend over exactly the chunks' keys
+            key_slots: list[int] = []
+            key_positions: list[int] = []
+            key_segments: list[int] = []
+            for j, (slot, end) in enumerate(zip(slots, chunk_ends, strict=True)):
+                key_slots += [slot] * end
+                key_positions += range(end)
+                key_segments += [j] * end
+            packed_keys = self._tensor([key_slots, key_positions, key_segments])
+        else:  # graph backends: a fixed number of segments
+            slots += [slots[0]] * (self.prefill_segments - len(slots))
+            ends += [0] * (self.prefill_segments - len(ends))
+        return LaunchInputs(
+            input_ids=self._tensor([ids + [0] * padding]),
+            positions=self._tensor([positions + [scratch] * padding]),
+            slot_ids=self._tensor(slots[:1]),
+            logit_index=self._tensor([ends]),
+            span=self.span_for(max(chunk_ends)),
+            window_start=None,
+            segment_slots=self._tensor(slots),
+            token_segments=self._tensor(owners + [0] * padding),
+            packed_keys=packed_keys,
+        )
 
     # -- decode ---------------------------------------------------------------------------
 
@@ -268,7 +241,7 @@ class LaunchRunner:
         layout = self._layout(slots)
         batch = self.decode_batch
         ids = [0] * batch
-        launch_positions = [self.cache.scratch_position] * batch
+        launch_positions = [self.state.scratch_position] * batch
         for row, token, position in zip(layout.rows, token_ids, positions):
             ids[row], launch_positions[row] = token, position
         inputs = self._tensor([ids, launch_positions, layout.slot_ids])  # one host copy
@@ -280,7 +253,7 @@ class LaunchRunner:
             span=self.span_for(max(positions) + 1 if positions else 1),
             window_start=layout.window_start,
         )
-        return self._rows(self._run("decode", launch).logits[:, 0], layout.rows)
+        return self._rows(self._launch("decode", launch).logits[:, 0], layout.rows)
 
     def verify(self, slots: list[int], max_position: int) -> Verify:
         """One B`decode_batch`S2 launch: each row feeds [last committed token, draft]."""
@@ -298,13 +271,13 @@ class LaunchRunner:
         span = self.span_for(max_position + 2)
         launch = LaunchInputs(
             input_ids=torch.where(real[:, None], tokens, 0),
-            positions=torch.where(real[:, None], positions, self.cache.scratch_position),
+            positions=torch.where(real[:, None], positions, self.state.scratch_position),
             slot_ids=self._tensor(layout.slot_ids),
             logit_index=self._tensor([[0, 1]] * batch),
             span=span,
             window_start=layout.window_start,
         )
-        out = self._run("decode", launch)
+        out = self._launch("decode", launch)
         return Verify(
             layout,
             slot_index,
@@ -328,7 +301,7 @@ class LaunchRunner:
         rows = self._tensor(verify.layout.rows)
         next_ids = torch.zeros(batch, 2, dtype=torch.long, device=self.device)
         next_ids[rows] = torch.stack((first, second), dim=1)
-        scratch = self.cache.scratch_position
+        scratch = self.state.scratch_position
         positions = torch.full((batch, 2), scratch, dtype=torch.long, device=self.device)
         positions[rows, 0] = verify.positions
         positions[rows, 1] = torch.where(accepted, verify.positions + 1, scratch)
@@ -342,34 +315,30 @@ class LaunchRunner:
             verify.span,
             verify.layout.window_start,
         )
-        drafts = self._draft(launch, verify.hidden)[rows, 0].argmax(-1)
+        drafts = self._launch("draft", launch, verify.hidden)[rows, 0].argmax(-1)
         self.tail.token[verify.slots] = torch.where(accepted, second, first)
         self.tail.position[verify.slots] = verify.positions + 1 + accepted.long()
         self.tail.draft[verify.slots] = drafts
         return drafts
 
-    def _run(self, kind: str, launch: LaunchInputs) -> LaunchOutput:
-        self.num_launches[kind] += 1
+    def _launch(self, kind: str, launch: LaunchInputs, hidden: Any = None) -> Any:
+        """Run one launch of `kind` (prefill, decode, or an MTP draft over `hidden`),
+        counted and timed: a LaunchOutput, or a draft's logits."""
         shape = f"B{launch.input_ids.shape[0]}S{launch.input_ids.shape[1]}"
+        timed = shape if kind != "draft" else f"draft {shape}"
+        if kind != "draft":
+            self.num_launches[kind] += 1
         self.launches.append(f"{kind} {shape}")
         began = time.perf_counter()
-        out = self.backend.run(launch)
-        self.launch_seconds.append((shape, time.perf_counter() - began))
+        out = self.backend.run(launch) if kind != "draft" else self.backend.draft(launch, hidden)
+        self.launch_seconds.append((timed, time.perf_counter() - began))
         return out
-
-    def _draft(self, launch: LaunchInputs, hidden: torch.Tensor) -> torch.Tensor:
-        shape = f"B{launch.input_ids.shape[0]}S{launch.input_ids.shape[1]}"
-        self.launches.append(f"draft {shape}")
-        began = time.perf_counter()
-        drafted = self.backend.draft(launch, hidden)
-        self.launch_seconds.append((f"draft {shape}", time.perf_counter() - began))
-        return drafted
 
     # -- layout ---------------------------------------------------------------------------
 
     def _layout(self, slots: list[int]) -> Layout:
         """Rows on a window of consecutive slots where they fit, else gathered by slot id."""
-        batch, num_slots = self.decode_batch, self.cache.num_slots
+        batch, num_slots = self.decode_batch, self.state.num_slots
         if len(slots) > batch:
             raise ValueError(f"{len(slots)} rows exceed decode_batch={batch}")
         in_place = self.backend.reads_in_place
@@ -384,7 +353,7 @@ class LaunchRunner:
         return LaunchInputs(
             input_ids=torch.zeros(batch, seq, dtype=torch.long, device=self.device),
             positions=torch.full(
-                (batch, seq), self.cache.scratch_position, dtype=torch.long, device=self.device
+                (batch, seq), self.state.scratch_position, dtype=torch.long, device=self.device
             ),
             slot_ids=torch.zeros(batch, dtype=torch.long, device=self.device),
             logit_index=torch.zeros(batch, seq, dtype=torch.long, device=self.device),
@@ -401,7 +370,7 @@ class LaunchRunner:
 
     def _positions(self, start: int, num_tokens: int, padding: int) -> torch.Tensor:
         """[1, S] positions of a chunk's tokens, then its padding at the scratch position."""
-        scratch = self.cache.scratch_position
+        scratch = self.state.scratch_position
         return self._tensor([list(range(start, start + num_tokens)) + [scratch] * padding])
 
     def _tensor(self, values: list) -> torch.Tensor:

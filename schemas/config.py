@@ -14,7 +14,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from schemas.registry import LaunchShapes
 
 # `--model` names that are not paths: models built (tiny, small) or imported (smollm2) into
-# the cache on first use (npu_worker/models/presets.py).
+# the cache on first use (npu_worker/weights/presets.py).
 MODEL_PRESETS = ("tiny", "small", "smollm2")
 # A service exits with this when a restart cannot help (bad configuration, a model that
 # cannot load): supervisors stop instead of restarting it.

@@ -15,10 +15,10 @@ import torch
 from tokenizers import Tokenizer
 
 from npu_worker.engine import RankEngine
-from npu_worker.models.loader import LoadedModel, load_model
-from npu_worker.models.presets import resolve_model_dir
 from npu_worker.output.processor import OutputProcessor
 from npu_worker.runner import LaunchRunner
+from npu_worker.weights.loader import LoadedModel, load_model
+from npu_worker.weights.presets import resolve_model_dir
 from schemas.codec import decode
 from schemas.config import Settings
 from schemas.control import RankStepPlan, StepResult

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from npu_worker.runner import LaunchRunner
+from schemas.control import PrefillChunk
 
 
 @dataclass(slots=True)
@@ -15,6 +16,15 @@ class ReferenceCompletion:
 
     token_ids: list[int]
     top2_gaps: list[float]
+
+
+def prefill_logits(
+    runner: LaunchRunner, slot: int, token_ids: list[int], start: int
+) -> torch.Tensor:
+    """One prefill launch of `token_ids` from position `start` of `slot`: the [1, vocab]
+    logits after its last token."""
+    chunk = PrefillChunk(slot=slot, start=start, num_tokens=len(token_ids))
+    return runner.prefill([chunk], [token_ids]).logits[:, 0]
 
 
 def generate_alone(
@@ -29,7 +39,7 @@ def generate_alone(
     chunk = runner.prefill_chunk
     logits = torch.empty(0)
     for start in range(0, len(prompt_ids), chunk):
-        logits = runner.prefill(slot, prompt_ids[start : start + chunk], start)
+        logits = prefill_logits(runner, slot, prompt_ids[start : start + chunk], start)
     tokens: list[int] = []
     gaps: list[float] = []
     context = list(prompt_ids)

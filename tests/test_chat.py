@@ -7,8 +7,8 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from batcher.chat import ChatTemplate, ChatTemplateError
-from npu_worker.models.loader import read_chat_template
-from npu_worker.models.presets import resolve_model_dir
+from npu_worker.weights.loader import read_chat_template
+from npu_worker.weights.presets import resolve_model_dir
 from producer.client import Client
 from schemas.messages import ChatMessage, FinishReason
 from tests.helpers import check_stream

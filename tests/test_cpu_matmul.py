@@ -1,4 +1,4 @@
-"""bfloat16 linear layers through the CPU kernels' own product (cpu_matmul.c), which the
+"""bfloat16 linear layers through the CPU kernels' own product (matmul.c), which the
 pool uses where it beats oneDNN's: each output the exact products of its row summed in one
 fixed order and rounded once, so a row's bits do not depend on how many rows share the
 call, and a prompt's prefill logits are those of decoding it token by token (a row's logits
@@ -12,12 +12,14 @@ from typing import Any
 import pytest
 import torch
 
-from npu_worker.models.cpu_kernels import CpuKernels, has_avx512, load_cpu_kernels
-from npu_worker.models.cpu_linear import kernel_products_win, pack_linears, packing_available
-from npu_worker.models.loader import LoadedModel, load_model
-from npu_worker.models.presets import resolve_model_dir
+from npu_worker.kernels.cpu.layers import CpuKit
+from npu_worker.kernels.cpu.library import CpuKernels, has_avx512, load_cpu_kernels
+from npu_worker.kernels.cpu.products import kernel_products_win, packing_available
 from npu_worker.runner import LaunchRunner
+from npu_worker.weights.loader import LoadedModel, load_model
+from npu_worker.weights.presets import resolve_model_dir
 from tests.helpers import launch_shapes, random_prompt
+from tests.reference import prefill_logits
 
 pytestmark = pytest.mark.skipif(not has_avx512(), reason="the kernels' product needs AVX-512")
 MAX_KV_LEN = 320
@@ -68,8 +70,9 @@ def test_the_product_reads_rows_of_a_strided_input(kernels: CpuKernels) -> None:
     assert torch.equal(got, kernels.linear(wide[:, 32:96].contiguous(), packed, 48, None))
 
 
-def tiny(dtype: str) -> LoadedModel:
-    return load_model(resolve_model_dir("tiny"), dtype, torch.device("cpu"), MAX_KV_LEN, mtp=True)
+def tiny(dtype: str, kit: CpuKit) -> LoadedModel:
+    path = resolve_model_dir("tiny")
+    return load_model(path, dtype, torch.device("cpu"), MAX_KV_LEN, mtp=True, kit=kit)
 
 
 def test_prefill_logits_are_token_by_token_decodes_with_the_kernels_products(
@@ -77,11 +80,10 @@ def test_prefill_logits_are_token_by_token_decodes_with_the_kernels_products(
 ) -> None:
     """One product for every row count: a prompt prefilled in one chunk gives the bits of
     decoding it one token at a time."""
-    loaded = tiny("bfloat16")
-    pack_linears(loaded.model, 128, kernels, kernel_products=True)
+    loaded = tiny("bfloat16", CpuKit(kernels, kernel_products=True))
     runner = LaunchRunner(loaded.model, launch_shapes(8, MAX_KV_LEN, 128, 4))
     prompt = random_prompt(random.Random(8), 20, loaded.config.vocab_size)
-    whole = runner.prefill(0, prompt, 0)
+    whole = prefill_logits(runner, 0, prompt, 0)
     for position, token in enumerate(prompt):
         stepped = runner.decode([1], [token], [position])
     assert torch.equal(stepped[0], whole[0])
@@ -93,12 +95,11 @@ def test_the_kernels_products_agree_with_onednns_within_rounding(kernels: CpuKer
     rng = random.Random(2)
     logits = []
     for own in (False, True):
-        loaded = tiny("bfloat16")
-        pack_linears(loaded.model, 128, kernels, kernel_products=own)
+        loaded = tiny("bfloat16", CpuKit(kernels, kernel_products=own))
         runner = LaunchRunner(loaded.model, launch_shapes(8, MAX_KV_LEN, 128, 4))
         prompt = random_prompt(rng, 50, loaded.config.vocab_size)
         rng.seed(2)
-        logits.append(runner.prefill(0, prompt, 0).float())
+        logits.append(prefill_logits(runner, 0, prompt, 0).float())
     torch.testing.assert_close(logits[1], logits[0], rtol=0.02, atol=0.15)
 
 

@@ -13,13 +13,17 @@ import pytest
 import torch
 
 from npu_worker.devices import auto_dtype, cpu_has_native_bf16
-from npu_worker.models.cpu_kernels import CpuKernels, load_cpu_kernels
+from npu_worker.kernels import kit_for
+from npu_worker.kernels.cpu.layers import CpuKit
+from npu_worker.kernels.cpu.library import CpuKernels, load_cpu_kernels
 from npu_worker.models.launch import LaunchInputs
 from npu_worker.models.layers import RMSNorm, attend, causal_mask, rotate_half
-from npu_worker.models.loader import LoadedModel
 from npu_worker.runner import LaunchRunner
+from npu_worker.weights.loader import LoadedModel, load_model
+from npu_worker.weights.presets import resolve_model_dir
 from schemas.config import Settings
 from tests.helpers import launch_shapes, load_reference_model, random_prompt
+from tests.reference import prefill_logits
 
 SLOTS, POSITIONS = 6, 257  # positions + 1: the last is the cache's scratch position
 SCRATCH = POSITIONS - 1
@@ -118,44 +122,55 @@ SETTINGS = Settings(
 )
 
 
-@pytest.fixture(scope="module")
-def loaded() -> LoadedModel:
-    return load_reference_model(SETTINGS)
+def tiny_with(decode_kernel: bool) -> LoadedModel:
+    """The tiny model in float32 with the CPU's layers, its kernels on or off."""
+    device = torch.device("cpu")
+    kit = kit_for(device, decode_kernel=decode_kernel)
+    path = resolve_model_dir(SETTINGS.model)
+    return load_model(path, SETTINGS.dtype, device, SETTINGS.max_kv_len, kit=kit)
 
 
-def decode_logits(loaded: LoadedModel, decode_kernel: bool) -> tuple[LaunchRunner, torch.Tensor]:
+def library_of(loaded: LoadedModel) -> CpuKernels | None:
+    """The CPU kernels the model's layers call, if any."""
+    kit = loaded.model.kit
+    return kit.library if isinstance(kit, CpuKit) else None
+
+
+def decode_logits(loaded: LoadedModel) -> tuple[LaunchRunner, torch.Tensor]:
     """Prefill four prompts, then one decode launch of all four rows."""
     shapes = launch_shapes(8, SETTINGS.max_kv_len, SETTINGS.prefill_chunk, 4)
-    runner = LaunchRunner(loaded.model, shapes, decode_kernel=decode_kernel)
+    runner = LaunchRunner(loaded.model, shapes)
     rng = random.Random(3)
     prompts = [random_prompt(rng, n, loaded.config.vocab_size) for n in (9, 60, 140, 3)]
     for slot, prompt in enumerate(prompts):
         for start in range(0, len(prompt), runner.prefill_chunk):
-            runner.prefill(slot, prompt[start : start + runner.prefill_chunk], start)
+            prefill_logits(runner, slot, prompt[start : start + runner.prefill_chunk], start)
     positions = [len(p) for p in prompts]
     return runner, runner.decode([0, 1, 2, 3], [5, 6, 7, 8], positions)
 
 
 def test_cpu_decode_launches_run_the_kernel_and_agree_with_batched_products(
-    kernel: CpuKernels, loaded: LoadedModel
+    kernel: CpuKernels,
 ) -> None:
-    with_kernel, ours = decode_logits(loaded, decode_kernel=True)
-    without, theirs = decode_logits(loaded, decode_kernel=False)
-    assert with_kernel.cache.decode_kernel is not None
+    kernel_model, plain_model = tiny_with(decode_kernel=True), tiny_with(decode_kernel=False)
+    with_kernel, ours = decode_logits(kernel_model)
+    without, theirs = decode_logits(plain_model)
+    assert library_of(kernel_model) is not None
     assert with_kernel.backend.name == "eager+decode-kernel"
-    assert without.cache.decode_kernel is None
+    assert library_of(plain_model) is None
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
     assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
 
 
 @pytest.mark.parametrize("compiler", ["/nonexistent/cc", "/bin/false"])
 def test_without_a_working_compiler_launches_fall_back_to_batched_products(
-    loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch, compiler: str
+    monkeypatch: pytest.MonkeyPatch, compiler: str
 ) -> None:
     monkeypatch.setenv("CC", compiler)
     assert load_cpu_kernels() is None
-    runner, logits = decode_logits(loaded, decode_kernel=True)
-    assert runner.cache.decode_kernel is None
+    loaded = tiny_with(decode_kernel=True)
+    runner, logits = decode_logits(loaded)
+    assert library_of(loaded) is None
     assert runner.backend.name == "eager"
     assert torch.isfinite(logits).all()
 
@@ -181,15 +196,15 @@ def loaded_bf16() -> LoadedModel:
 def test_bfloat16_decode_rows_are_bit_identical_alone_or_together(
     kernel: CpuKernels, loaded_bf16: LoadedModel
 ) -> None:
-    runner, together = decode_logits(loaded_bf16, decode_kernel=True)
-    assert runner.cache.k[0].dtype == torch.bfloat16
+    runner, together = decode_logits(loaded_bf16)
+    assert runner.state.k[0].dtype == torch.bfloat16
     rng = random.Random(3)
     prompts = [random_prompt(rng, n, loaded_bf16.config.vocab_size) for n in (9, 60, 140, 3)]
     shapes = launch_shapes(8, SETTINGS.max_kv_len, SETTINGS.prefill_chunk, 4)
     for slot, prompt in enumerate(prompts):
         alone = LaunchRunner(loaded_bf16.model, shapes)
         for start in range(0, len(prompt), alone.prefill_chunk):
-            alone.prefill(slot, prompt[start : start + alone.prefill_chunk], start)
+            prefill_logits(alone, slot, prompt[start : start + alone.prefill_chunk], start)
         logits = alone.decode([slot], [5 + slot], [len(prompt)])
         assert torch.equal(logits[0], together[slot])
 
@@ -201,8 +216,8 @@ def test_bfloat16_decode_logits_are_bit_identical_whatever_span_or_layout(
     runner = LaunchRunner(loaded_bf16.model, shapes)
     prompt = random_prompt(random.Random(0), 100, loaded_bf16.config.vocab_size)
     for start in range(0, len(prompt), runner.prefill_chunk):
-        runner.prefill(2, prompt[start : start + runner.prefill_chunk], start)
-    scratch = runner.cache.scratch_position
+        prefill_logits(runner, 2, prompt[start : start + runner.prefill_chunk], start)
+    scratch = runner.state.scratch_position
     outputs = []
     for span, window in [(128, 2), (256, 2), (512, 0), (512, None)]:
         slots = list(range(window, window + 4)) if window is not None else [2, 0, 0, 0]
@@ -217,7 +232,7 @@ def test_bfloat16_decode_logits_are_bit_identical_whatever_span_or_layout(
             span,
             window,
         )
-        outputs.append(loaded_bf16.model(launch, runner.cache).logits[row, 0])
+        outputs.append(loaded_bf16.model(launch, runner.state).logits[row, 0])
     for other in outputs[1:]:
         assert torch.equal(outputs[0], other)
 
@@ -261,7 +276,7 @@ def test_a_prefilled_prompt_gives_the_logits_of_decoding_it_token_by_token(
     prompt = random_prompt(random.Random(8), 150, loaded.config.vocab_size)
     chunked = LaunchRunner(loaded.model, shapes)
     for start in range(0, len(prompt), chunked.prefill_chunk):
-        logits = chunked.prefill(3, prompt[start : start + chunked.prefill_chunk], start)
+        logits = prefill_logits(chunked, 3, prompt[start : start + chunked.prefill_chunk], start)
     stepped = LaunchRunner(loaded.model, shapes)
     for position, token in enumerate(prompt):
         by_decode = stepped.decode([3], [token], [position])

@@ -14,9 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from npu_worker.models.deepseek_v3 import DeepseekV3CausalLM
-from npu_worker.models.loader import load_model
+from npu_worker.models.deepseek_v3.model import DeepseekV3CausalLM
 from npu_worker.runner import LaunchRunner
+from npu_worker.weights.loader import load_model
 from producer.client import Client
 from producer.status import PoolFailed, collect_status
 from schemas.config import Settings
@@ -32,7 +32,7 @@ from tests.helpers import (
 from tests.reference import ReferenceCompletion, first_divergence, generate_alone
 from tests.test_hf_parity import hf_greedy
 
-make = pytest.importorskip("bench.make_deepseek_v3")
+make = pytest.importorskip("npu_worker.weights.makers.deepseek_v3")
 MAX_MODEL_LEN = 512
 DTYPE = Settings().dtype  # the pools' (conftest: float32 unless the environment says)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import fields
 from pathlib import Path
 
@@ -24,22 +24,24 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from npu_worker.kernels import kit_for
 from npu_worker.models.config import UnsupportedModel
-from npu_worker.models.deepseek_v4 import DeepseekV4CausalLM
-from npu_worker.models.deepseek_v4_config import DeepseekV4Config, state_elements_per_slot
-from npu_worker.models.deepseek_v4_state import DeepseekV4State
+from npu_worker.models.deepseek_v4.config import DeepseekV4Config, state_elements_per_slot
+from npu_worker.models.deepseek_v4.model import DeepseekV4CausalLM
+from npu_worker.models.deepseek_v4.state import DeepseekV4State
+from npu_worker.models.kit import LayerKit, TorchKit
 from npu_worker.models.launch import LaunchInputs
-from npu_worker.models.loader import load_model
 from npu_worker.runner import LaunchRunner
+from npu_worker.weights.loader import load_model
 from producer.client import Client
 from producer.status import collect_status
 from schemas.keys import Keys
 from tests.conftest import StartPool
 from tests.helpers import TIE_TOLERANCE, check_stream, launch_shapes, random_prompt, wait_until
-from tests.reference import ReferenceCompletion, first_divergence, generate_alone
+from tests.reference import ReferenceCompletion, first_divergence, generate_alone, prefill_logits
 from tests.test_hf_parity import hf_greedy
 
-make = pytest.importorskip("bench.make_deepseek_v4")
+make = pytest.importorskip("npu_worker.weights.makers.deepseek_v4")
 MAX_MODEL_LEN = 768
 PROMPT_LENGTHS = (20, 150, 300, 600)
 NEW_TOKENS = 64
@@ -131,16 +133,64 @@ def test_indexer_ties_go_to_the_lowest_entries_whatever_the_span(
     )
     for slot, tokens in ((0, prompt), (2, other)):
         for start in range(0, len(tokens), 128):
-            runner.prefill(slot, tokens[start : start + 128], start)
+            prefill_logits(runner, slot, tokens[start : start + 128], start)
     alone = runner.decode([0], [7], [len(prompt)]).clone()
     beside = runner.decode([2, 0], [9, 7], [len(other), len(prompt)])[1]
     assert torch.equal(alone[0], beside)
 
 
+KITS: dict[str, Callable[[], LayerKit]] = {
+    "torch": TorchKit,
+    "cpu": lambda: kit_for(torch.device("cpu")),
+    "cpu-without-kernels": lambda: kit_for(torch.device("cpu"), decode_kernel=False),
+}
+
+
+@pytest.mark.parametrize("kit", list(KITS))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_every_layer_kit_runs_v4_with_the_tokens_of_a_lone_run(
+    kit: str, dtype: str, checkpoints: dict[str, Path]
+) -> None:
+    """Plain torch layers, the CPU's with its kernels and without them: each serves the
+    model, a request's tokens the same whatever shares its launch."""
+    path = checkpoints["small"]
+    loaded = load_model(path, dtype, torch.device("cpu"), MAX_MODEL_LEN, kit=KITS[kit]())
+    shapes = launch_shapes(4, MAX_MODEL_LEN, 128, 4)
+    rng = random.Random(25)
+    prompts = [random_prompt(rng, n, make.VOCAB_SIZE) for n in (40, 130, 9)]
+    runner = LaunchRunner(loaded.model, shapes)
+    alone = [
+        generate_alone(runner, p, 2, set(), MAX_MODEL_LEN, slot=s) for s, p in enumerate(prompts)
+    ]
+    beside = LaunchRunner(loaded.model, shapes)  # a fresh state: the rows share one launch
+    for slot, prompt in enumerate(prompts):
+        for start in range(0, len(prompt), 128):
+            prefill_logits(beside, slot, prompt[start : start + 128], start)
+    positions = [len(p) for p in prompts]
+    together = beside.decode([0, 1, 2], [r.token_ids[0] for r in alone], positions)
+    for slot, reference in enumerate(alone):
+        assert int(together[slot].argmax()) == reference.token_ids[1] or (
+            reference.top2_gaps[1] <= TIE_TOLERANCE
+        ), f"{kit}, {dtype}: prompt of {positions[slot]}"
+
+
+def test_a_pool_without_the_decode_kernel_serves_v4(
+    checkpoints: dict[str, Path], start_pool: StartPool, client: Client
+) -> None:
+    path = checkpoints["small"]
+    start_pool(model=str(path), decode_kernel=False, max_model_len=MAX_MODEL_LEN)
+    rng = random.Random(26)
+    prompts = [random_prompt(rng, n, make.VOCAB_SIZE) for n in (12, 140)]
+    ids = [client.submit(prompt_token_ids=p, max_tokens=8, ignore_eos=True) for p in prompts]
+    for request_id, reference in zip(ids, lone(path, prompts, 8), strict=True):
+        tokens = check_stream(list(client.stream(request_id, timeout_s=120)))
+        assert first_divergence(tokens, reference, TIE_TOLERANCE) is None, request_id
+
+
 def test_per_slot_state_is_the_size_its_formula_says(checkpoints: dict[str, Path]) -> None:
     loaded = load_model(checkpoints["real"], "float32", torch.device("cpu"), MAX_MODEL_LEN)
     config = loaded.model.config
-    state = loaded.model.new_cache(3, MAX_MODEL_LEN)
+    state = loaded.model.new_state(3, MAX_MODEL_LEN)
     assert isinstance(state, DeepseekV4State)
     buffers = [r.rows for r in state.window]
     buffers += [e for e in (*state.entries, *state.index_keys) if e is not None]
@@ -230,7 +280,9 @@ def test_a_rejected_draft_at_a_window_boundary_leaves_nothing_a_later_launch_rea
     assert (draft_position + 1) % model.config.hca_rate == 0
     for slot in (0, 1):
         for start in (0, 128):
-            runner.prefill(slot, prompt[start : min(start + 128, draft_position - 1)], start)
+            prefill_logits(
+                runner, slot, prompt[start : min(start + 128, draft_position - 1)], start
+            )
 
     def verify(slot: int, tokens: list[int]) -> None:
         launch = LaunchInputs(
@@ -241,7 +293,7 @@ def test_a_rejected_draft_at_a_window_boundary_leaves_nothing_a_later_launch_rea
             span=160,
             window_start=None,
         )
-        model(launch, runner.cache)
+        model(launch, runner.state)
 
     right = 11
     verify(0, [prompt[-1], (right + 1) % make.VOCAB_SIZE])  # rejected: fed again below
@@ -313,7 +365,7 @@ def test_bfloat16_weights_give_the_float32_logits_to_bfloat16_precision(
         logits[dtype] = []
         for prompt in prompts:
             for start in range(0, len(prompt), 128):
-                last = runner.prefill(0, prompt[start : start + 128], start)
+                last = prefill_logits(runner, 0, prompt[start : start + 128], start)
             logits[dtype].append(last.float())
     for want, got in zip(logits["float32"], logits["bfloat16"]):
         assert torch.nn.functional.cosine_similarity(want, got, dim=-1).min() > 0.999

@@ -18,11 +18,11 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from npu_worker.models.config import UnsupportedModel
-from npu_worker.models.gguf_import import import_gguf
-from npu_worker.models.imported import ensure_imported, packaged_gguf
-from npu_worker.models.loader import read_chat_template
-from npu_worker.models.presets import resolve_model_dir
-from npu_worker.models.tiny import CHAT_TEMPLATE, ensure_tiny_model
+from npu_worker.weights.gguf.convert import import_gguf
+from npu_worker.weights.imported import ensure_imported, packaged_gguf
+from npu_worker.weights.loader import read_chat_template
+from npu_worker.weights.presets import resolve_model_dir
+from npu_worker.weights.tiny import CHAT_TEMPLATE, ensure_tiny_model
 from producer.client import Client
 from tests.helpers import TIE_TOLERANCE, check_stream, random_prompt
 from tests.reference import ReferenceCompletion, first_divergence

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from npu_worker.models.tiny import ensure_tiny_model
+from npu_worker.weights.tiny import ensure_tiny_model
 from producer.client import Client
 from tests.helpers import TIE_TOLERANCE, check_stream, random_prompt
 from tests.reference import ReferenceCompletion, first_divergence

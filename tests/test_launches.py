@@ -9,12 +9,13 @@ import pytest
 import torch
 
 from npu_worker.models.launch import LaunchInputs
-from npu_worker.models.loader import LoadedModel
 from npu_worker.runner import LaunchRunner
+from npu_worker.weights.loader import LoadedModel
 from schemas.config import Settings
 from schemas.control import NewRequest, PrefillChunk, RankStepPlan
 from schemas.messages import SamplingParams
 from tests.helpers import LocalRank, launch_shapes, load_reference_model, random_prompt
+from tests.reference import prefill_logits
 
 SETTINGS = Settings(
     model="tiny", device="cpu", max_model_len=512, kv_slots_per_rank=8, decode_batch=4
@@ -39,7 +40,7 @@ def prefilled(runner: LaunchRunner, slot: int, prompt: list[int]) -> int:
     """Prefill `prompt` into `slot`; returns its greedy next token."""
     logits = torch.empty(0)
     for start in range(0, len(prompt), runner.prefill_chunk):
-        logits = runner.prefill(slot, prompt[start : start + runner.prefill_chunk], start)
+        logits = prefill_logits(runner, slot, prompt[start : start + runner.prefill_chunk], start)
     return int(logits.argmax())
 
 
@@ -47,7 +48,7 @@ def test_decode_logits_are_bit_identical_whatever_span_or_layout(loaded: LoadedM
     runner = make_runner(loaded)
     prompt = random_prompt(random.Random(0), 100, loaded.config.vocab_size)
     token = prefilled(runner, 2, prompt)
-    scratch = runner.cache.scratch_position
+    scratch = runner.state.scratch_position
     outputs = []
     for span, window in [(128, 2), (256, 2), (512, 0), (512, None)]:
         slots = list(range(window, window + 4)) if window is not None else [2, 0, 0, 0]
@@ -63,7 +64,7 @@ def test_decode_logits_are_bit_identical_whatever_span_or_layout(loaded: LoadedM
             span,
             window,
         )
-        outputs.append(loaded.model(launch, runner.cache).logits[row, 0])
+        outputs.append(loaded.model(launch, runner.state).logits[row, 0])
     for other in outputs[1:]:
         assert torch.equal(outputs[0], other)
 
@@ -86,10 +87,10 @@ def test_padding_rows_and_dummy_launches_touch_only_scratch(loaded: LoadedModel)
     runner = make_runner(loaded)
     prompt = random_prompt(random.Random(2), 50, loaded.config.vocab_size)
     prefilled(runner, 5, prompt)
-    before = [k[:, :, :-1].clone() for k in runner.cache.k]
+    before = [k[:, :, :-1].clone() for k in runner.state.k]
     runner.dummy_prefill()
     runner.decode([], [], [])
-    after = [k[:, :, :-1] for k in runner.cache.k]
+    after = [k[:, :, :-1] for k in runner.state.k]
     assert all(torch.equal(a, b) for a, b in zip(before, after))
 
 

@@ -11,9 +11,9 @@ import torch
 from batcher.dispatch import rank_plans
 from batcher.intake import Tracked
 from batcher.scheduler import PlannerConfig, PoolState, Sequence, finish, plan_step
-from npu_worker.models.loader import load_model
-from npu_worker.models.presets import resolve_model_dir
 from npu_worker.runner import LaunchRunner
+from npu_worker.weights.loader import load_model
+from npu_worker.weights.presets import resolve_model_dir
 from schemas.config import Settings
 from schemas.messages import GenerateRequest, SamplingParams
 from tests.helpers import LocalRank, launch_shapes, random_prompt

@@ -15,10 +15,10 @@ import torch
 
 from npu_worker.devices import resolve_device
 from npu_worker.models.config import UnsupportedModel
-from npu_worker.models.loader import load_model
-from npu_worker.models.tiny import ensure_tiny_model
 from npu_worker.output.processor import OutputProcessor
 from npu_worker.output.records import StepRecord, TokenRow
+from npu_worker.weights.loader import load_model
+from npu_worker.weights.tiny import ensure_tiny_model
 from schemas.config import Settings
 from schemas.control import NewRequest
 from schemas.messages import SamplingParams

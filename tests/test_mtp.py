@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from npu_worker.models.launch import LaunchInputs
-from npu_worker.models.loader import LoadedModel, load_model
-from npu_worker.models.presets import resolve_model_dir
 from npu_worker.mtp import accept_drafts
 from npu_worker.runner import LaunchRunner
 from npu_worker.sampler import sampling_rows
+from npu_worker.weights.loader import LoadedModel, load_model
+from npu_worker.weights.presets import resolve_model_dir
 from producer.client import Client
 from schemas.config import Settings
 from schemas.control import NewRequest, PrefillChunk, RankStepPlan, StepResult
@@ -75,8 +75,9 @@ def test_committed_window_after_acceptance_and_rejection(with_mtp: LoadedModel) 
     runner = LaunchRunner(with_mtp.model, launch_shapes(8, SETTINGS.max_kv_len, 128, 4))
     prompt = random_prompt(random.Random(1), 20, 512)
     for slot in (2, 3):
-        out = runner.prefill_launch(slot, prompt, 0)
-        runner.prefill_draft(slot, out.hidden, prompt[1:] + [7], 0)
+        chunks = [PrefillChunk(slot=slot, start=0, num_tokens=len(prompt))]
+        out = runner.prefill(chunks, [prompt])
+        runner.draft_prefill(chunks, out.hidden, [prompt[1:] + [7]])
         runner.set_tail(slot, 7, 20, 9)
     verify = runner.verify([2, 3], max_position=20)
     assert verify.drafts.tolist() == [9, 9] and verify.positions.tolist() == [20, 20]
@@ -86,7 +87,7 @@ def test_committed_window_after_acceptance_and_rejection(with_mtp: LoadedModel) 
     assert committed(runner, 2) == (13, 22, int(drafts[0]))  # 7, 9 and 13 committed
     assert committed(runner, 3) == (11, 21, int(drafts[1]))  # 7 and the correction 11
     # The new drafts are the MTP module's argmax on exactly those inputs:
-    scratch = runner.cache.scratch_position
+    scratch = runner.state.scratch_position
     hidden = verify.hidden
     rows = [verify.layout.rows[0], verify.layout.rows[1]]
     expected = []
@@ -102,7 +103,7 @@ def test_committed_window_after_acceptance_and_rejection(with_mtp: LoadedModel) 
             None,
         )
         expected.append(
-            int(with_mtp.model.draft(launch, hidden[row : row + 1], runner.cache).argmax())
+            int(with_mtp.model.draft(launch, hidden[row : row + 1], runner.state).argmax())
         )
     assert drafts.tolist() == expected
 

@@ -15,10 +15,9 @@ from hypothesis import strategies as st
 from batcher.dispatch import rank_plans
 from batcher.intake import Tracked
 from batcher.scheduler import PlannerConfig, PoolState, Sequence, finish, plan_step
-from npu_worker.runner import Segment
 from producer.client import Client
 from schemas.config import Settings
-from schemas.control import StepResult
+from schemas.control import PrefillChunk, StepResult
 from schemas.keys import Keys
 from schemas.messages import GenerateRequest, SamplingParams
 from tests.helpers import (
@@ -30,7 +29,7 @@ from tests.helpers import (
     reference,
     reference_runner,
 )
-from tests.reference import first_divergence
+from tests.reference import first_divergence, prefill_logits
 
 SETTINGS = Settings(
     model="tiny", device="cpu", max_model_len=384, decode_batch=4, kv_slots_per_rank=8
@@ -124,14 +123,14 @@ def test_exact_keys_and_whole_spans_side_by_side_give_the_same_launch(model) -> 
     rng = random.Random(3)
     vocab = loaded.config.vocab_size
     cached = random_prompt(rng, 180, vocab)
-    runner.prefill(2, cached[:128], 0)
-    runner.prefill(2, cached[128:150], 128)
-    segments = [
-        Segment(2, cached[150:], 150),
-        Segment(5, random_prompt(rng, 40, vocab), 0),
-        Segment(0, random_prompt(rng, 20, vocab), 0),
+    prefill_logits(runner, 2, cached[:128], 0)
+    prefill_logits(runner, 2, cached[128:150], 128)
+    token_ids = [cached[150:], random_prompt(rng, 40, vocab), random_prompt(rng, 20, vocab)]
+    chunks = [
+        PrefillChunk(slot=slot, start=start, num_tokens=len(ids))
+        for slot, start, ids in zip((2, 5, 0), (150, 0, 0), token_ids)
     ]
-    exact = runner._packed(segments, [s.token_ids for s in segments])
+    exact = runner._packed(chunks, token_ids)
     assert exact.packed_keys is not None and exact.packed_keys.shape[1] == 180 + 40 + 20
     whole = dataclasses.replace(exact, packed_keys=None)
     with torch.no_grad():

@@ -18,6 +18,7 @@ from tests.helpers import (
     random_prompt,
     reference_runner,
 )
+from tests.reference import prefill_logits
 
 
 def test_a_seeded_request_draws_the_same_text_alone_and_under_load(
@@ -99,7 +100,7 @@ def test_logprobs_are_the_log_softmax_of_the_models_logits(start_pool, client: C
     assert [e["token_id"] for e in entries] == tokens
     loaded = load_reference_model(settings)
     runner = reference_runner(loaded, settings)
-    logits = runner.prefill(0, prompt, 0)[0]
+    logits = prefill_logits(runner, 0, prompt, 0)[0]
     for i, entry in enumerate(entries):
         want = torch.log_softmax(logits.double(), dim=-1)
         assert entry["logprob"] == pytest.approx(float(want[tokens[i]]), abs=1e-4)
@@ -117,7 +118,7 @@ def test_min_tokens_keeps_eos_away_until_reached() -> None:
     )
     loaded = load_reference_model(settings)
     prompt = [50, 60, 70]
-    first = int(reference_runner(loaded, settings).prefill(0, prompt, 0).argmax())
+    first = int(prefill_logits(reference_runner(loaded, settings), 0, prompt, 0).argmax())
 
     def run(min_tokens: int) -> list[int]:
         engine = LocalRank(reference_runner(loaded, settings), loaded.tokenizer, (first,), 256)

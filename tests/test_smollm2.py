@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer, pre_tokenizers
 
-from npu_worker.models.imported import (
+from npu_worker.weights.imported import (
     SMOLLM2_INSTALL,
     ensure_smollm2,
     smollm2_available,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from npu_worker.models.tiny import ensure_tiny_model
+from npu_worker.weights.tiny import ensure_tiny_model
 from producer.client import Client, PoolFailed
 from tests.helpers import wait_until
 
@@ -111,6 +111,22 @@ def test_up_with_a_model_the_loader_refuses_stops_at_once_naming_the_reason(tmp_
     assert up.returncode == 1, stderr
     assert "rank 0 failed" in stderr and "['GPT2LMHeadModel']" in stderr, stderr
     assert "not supported" in stderr
+
+
+def test_up_with_weights_that_do_not_fit_their_config_stops_at_once_naming_the_reason(
+    tmp_path,
+) -> None:
+    """Not only the loader's refusals: whatever fails while a rank prepares its model (here
+    torch refusing the weights' shapes) fails the rank, which a restart would not mend."""
+    model = tmp_path / "misfit"
+    shutil.copytree(ensure_tiny_model(), model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(config | {"intermediate_size": 160}))
+    env = dict(os.environ, NPUPOOL_HOME=str(tmp_path / "home"))
+    up = start_up(env, "--model", str(model))
+    _, stderr = up.communicate(timeout=90)  # not restarted forever with backoff
+    assert up.returncode == 1, stderr
+    assert "rank 0 failed" in stderr and "size mismatch" in stderr, stderr
 
 
 def test_a_rank_that_cannot_load_is_failed_with_its_reason_and_wait_ready_raises_it(

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from bench import serve as bench
-from npu_worker.models.tiny import ensure_tiny_model
+from npu_worker.weights.tiny import ensure_tiny_model
 from producer.client import Client
 from tests.helpers import TIE_TOLERANCE, check_stream, random_prompt
 from tests.reference import first_divergence
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def make_llama3m(out: Path) -> Path:
     """Run the checkpoint builder as `bench/vllm_peer.sh` does."""
     subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "make_llama3m.py"), str(out)],
+        [sys.executable, "-m", "npu_worker.weights.makers.llama3m", str(out)],
         check=True,
         capture_output=True,
     )
@@ -59,7 +59,7 @@ def test_llama3m_builder_writes_the_same_3m_parameter_checkpoint_every_time(
 
 def test_llama3m_builder_refuses_to_overwrite_a_checkpoint(llama3m: Path) -> None:
     done = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "make_llama3m.py"), str(llama3m)],
+        [sys.executable, "-m", "npu_worker.weights.makers.llama3m", str(llama3m)],
         capture_output=True,
         text=True,
     )

@@ -1,2 +1,4 @@
-"""Model architectures (one file per family), their shared layers, and the model store:
-loading, presets, the tiny models and GGUF import (docs/architecture.md §8)."""
+"""Model architectures, one package per family (llama/, deepseek_v3/, deepseek_v4/), listed
+in one registry (registry.py); what every model takes and returns (launch.py), the layers a
+backend supplies (kit.py) and the pieces families share (layers.py, moe.py)
+(docs/architecture.md §8)."""

@@ -1,16 +1,15 @@
 """What every architecture's model takes and returns: one fixed-shape launch's inputs, its
-outputs, and the static KV cache it reads and writes (docs/architecture.md §2)."""
+outputs, the per-request state it reads and writes (a protocol: a KV cache, a latent cache,
+DeepSeek-V4's compressed state), and the model interface the runner and backends rely on
+(docs/architecture.md §2, §8)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Generic, Protocol, TypeVar
 
 import torch
 from torch import nn
-
-if TYPE_CHECKING:
-    from npu_worker.models.cpu_kernels import CpuKernels
 
 
 @dataclass(slots=True)
@@ -66,6 +65,21 @@ class LaunchOutput:
     hidden: torch.Tensor  # [B, S, hidden], after the final norm
 
 
+class ModelState(Protocol):
+    """What the runner and backends know of a model's per-request state: fixed buffers for
+    `num_slots` slots of up to `max_kv_len` positions each, on `device`, and the position
+    padding tokens write to (no query reads it). Everything else is the model's own."""
+
+    num_slots: int
+    max_kv_len: int
+    device: torch.device
+
+    @property
+    def scratch_position(self) -> int:
+        """The position padding rows write to."""
+        ...
+
+
 class KVCache:
     """Per-layer K and V buffers [slots, kv_heads, positions + 1, dim], allocated once.
 
@@ -97,9 +111,6 @@ class KVCache:
         self.num_slots = num_slots
         self.max_kv_len = max_kv_len
         self.device = device
-        # set by a backend that runs decode attention as its own kernel (CPU: each row's
-        # own keys in place); None: batched matrix products over the span
-        self.decode_kernel: CpuKernels | None = None
 
     @property
     def bytes_per_token(self) -> int:
@@ -115,22 +126,57 @@ class KVCache:
         return self.max_kv_len
 
 
-class LaunchModel(nn.Module):
-    """What the runner and its backends need of an architecture's model: its static cache,
-    one launch at a fixed shape, and (with an MTP module) the draft over a launch. Every
-    architecture's model derives from it."""
+class Kit(Protocol):
+    """What the runner knows of the layer kit a model was built with (models/kit.py)."""
+
+    @property
+    def name(self) -> str:
+        """What the kit computes its own way, appended to the backend's name (`+...`)."""
+        ...
+
+
+State = TypeVar("State", bound=ModelState)
+
+
+class LaunchModel(nn.Module, Generic[State]):
+    """What the runner and its backends need of an architecture's model: its per-request
+    state, one launch at a fixed shape, and (with an MTP module) the draft over a launch.
+    Every architecture's model derives from it. Its layers come from `kit`, the layer kit
+    its backend supplied when it was built (models/kit.py)."""
 
     mtp: nn.Module | None
+    kit: Kit
     packs = True  # its prefill launches may carry several requests' segments
+    head_key = "lm_head.weight"  # the checkpoint's output head
 
-    def new_cache(self, num_slots: int, max_kv_len: int) -> KVCache:
-        """The cache every launch of this model reads and writes, allocated once."""
+    def new_state(self, num_slots: int, max_kv_len: int) -> State:
+        """The state every launch of this model reads and writes, allocated once."""
         raise NotImplementedError
 
-    def forward(self, launch: LaunchInputs, cache: KVCache) -> LaunchOutput:
-        """Run one launch: write its K/V, return logits at `logit_index` and hidden states."""
+    def forward(self, launch: LaunchInputs, state: State) -> LaunchOutput:
+        """Run one launch: write its state, return logits at `logit_index` and hidden states."""
         raise NotImplementedError
 
-    def draft(self, launch: LaunchInputs, hidden: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def draft(self, launch: LaunchInputs, hidden: torch.Tensor, state: State) -> torch.Tensor:
         """MTP logits for a launch whose tokens follow the hidden states `hidden`."""
         raise NotImplementedError
+
+    def output_head(self) -> nn.Linear:
+        """The layer that turns final hidden states into logits."""
+        raise NotImplementedError
+
+    def input_embeddings(self) -> nn.Embedding:
+        """The token embedding."""
+        raise NotImplementedError
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the head, for tied checkpoints."""
+        self.output_head().weight = self.input_embeddings().weight
+
+    def is_tied(self) -> bool:
+        """Whether the head is the embedding."""
+        return self.output_head().weight is self.input_embeddings().weight
+
+    def place(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Move to `device` in `dtype`, keeping in float32 what the architecture keeps so."""
+        self.to(device=device, dtype=dtype).eval()

@@ -1,50 +1,32 @@
 """The pieces architectures share: RMSNorm, RoPE frequencies and rotation, and attention over
 the static KV cache, where masked positions add exactly zero whatever the span (so a row's
-logits do not depend on its launch: docs/architecture.md §2)."""
+logits do not depend on its launch: docs/architecture.md §2). These are the plain torch
+forms; a backend's kit may supply faster layers with the same contract (models/kit.py)."""
 
 from __future__ import annotations
-
-import math
-from contextvars import ContextVar
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from npu_worker.models.config import ModelConfig
-from npu_worker.models.launch import KVCache, LaunchInputs
-
-if TYPE_CHECKING:
-    from npu_worker.models.cpu_kernels import CpuKernels
-
-# Launches of at most this many tokens a row (decode S1, MTP verify and draft S2) pass the
-# attention kernel their rows as they are (a row's queries share one pass over its keys);
-# longer ones (prefill chunks) pass it every token as a row of its own.
-DECODE_KERNEL_MAX_SEQ = 4
-
-
-# The CPU kernels of the launch running in this context: set by the eager backend around
-# each launch where the cache has them, so layers without the cache (RMSNorm) use them too.
-CPU_KERNELS: ContextVar[CpuKernels | None] = ContextVar("cpu_kernels", default=None)
+from npu_worker.models.launch import LaunchInputs
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    """RMSNorm: float32 statistics, the normalised row rounded to x's dtype before the
+    weight multiplies it (Llama's order), or, with `float32_weight`, the weight applied in
+    float32 and the product rounded once (DeepSeek-V4's, whose norms stay in float32)."""
+
+    def __init__(self, size: int, eps: float, float32_weight: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.float32_weight = float32_weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernel = CPU_KERNELS.get()
-        if (
-            kernel is not None
-            and kernel.supports(x)
-            and x.is_contiguous()
-            and x.dtype == self.weight.dtype
-        ):
-            return kernel.rms_norm(x, self.weight.detach(), self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.float32_weight:
+            return (self.weight.float() * h).to(x.dtype)
         return self.weight * h.to(x.dtype)
 
 
@@ -83,104 +65,6 @@ def write_cache(
     rows = launch.slot_ids[:, None]
     k_cache[rows, :, launch.positions] = k.to(k_cache.dtype)
     v_cache[rows, :, launch.positions] = v.to(v_cache.dtype)
-
-
-def cached_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cache: KVCache,
-    layer: int,
-    launch: LaunchInputs,
-    num_kv_heads: int,
-) -> torch.Tensor:
-    """One layer's attention of a launch's queries q [B, S, H, D] over the cache, after
-    writing its K/V: through the cache's attention kernel where it has one (every query
-    reads its own slot's keys up to its own position, in place, so a prefill token's
-    output is computed exactly as a decode of it would be), else masked over the span."""
-    k_cache, v_cache = cache.k[layer], cache.v[layer]
-    kernel = cache.decode_kernel
-    if kernel is None or not (kernel.supports(k_cache) and kernel.supports(v_cache)):
-        keys, values, visible = cached_keys(k_cache, v_cache, k, v, launch)
-        return attend(q, keys, values, visible, num_kv_heads)
-    if launch.packed:
-        slots, positions = launch.token_rows()
-        k_cache[slots, :, positions] = k[0].to(k_cache.dtype)
-        v_cache[slots, :, positions] = v[0].to(v_cache.dtype)
-    else:
-        write_cache(k_cache, v_cache, k, v, launch)
-    return kernel_attention(kernel, q, k_cache, v_cache, launch)
-
-
-def rotary_cached_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    cache: KVCache,
-    layer: int,
-    launch: LaunchInputs,
-    num_kv_heads: int,
-) -> torch.Tensor:
-    """`cached_attention` of queries and keys rotated by `rotate_half`: where the cache has
-    the CPU kernel, the rotations and the K/V writes are one call of it (the same bits)."""
-    k_cache, v_cache = cache.k[layer], cache.v[layer]
-    kernel = cache.decode_kernel
-    if (
-        kernel is None
-        or not (kernel.supports(k_cache) and kernel.supports(v_cache))
-        or not q.dtype == k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
-        or not (token_major(q) and token_major(k) and token_major(v))
-    ):
-        q, k = rotate_half(q, cos, sin), rotate_half(k, cos, sin)
-        return cached_attention(q, k, v, cache, layer, launch, num_kv_heads)
-    batch, seq, heads, dim = q.shape
-    tokens = batch * seq
-    slots, positions = launch.token_rows()
-    kernel.rope_store(
-        q.view(tokens, heads, dim),
-        k.view(tokens, num_kv_heads, dim),
-        v.view(tokens, num_kv_heads, -1),
-        cos.reshape(tokens, dim),
-        sin.reshape(tokens, dim),
-        k_cache,
-        v_cache,
-        slots,
-        positions,
-    )
-    return kernel_attention(kernel, q, k_cache, v_cache, launch)
-
-
-def token_major(x: torch.Tensor) -> bool:
-    """Whether x [B, S, H, D] is one run of heads and channels per token, tokens a fixed
-    stride apart (contiguous, or a slice of one fused projection's output)."""
-    batch, seq, heads, dim = x.shape
-    if x.stride(3) != 1 or x.stride(2) != dim:
-        return False
-    if batch == 1 or seq == 1:  # a dimension of one may have any stride
-        step = x.stride(1) if batch == 1 and seq > 1 else x.stride(0)
-        return batch * seq == 1 or step >= heads * dim
-    return x.stride(1) >= heads * dim and x.stride(0) == seq * x.stride(1)
-
-
-def kernel_attention(
-    kernel: CpuKernels,
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    launch: LaunchInputs,
-) -> torch.Tensor:
-    """The kernel's attention of q [B, S, H, D] over a cache that holds the launch's K/V."""
-    batch, seq, heads, head_dim = q.shape
-    scale = head_dim**-0.5
-    if not launch.packed and seq <= DECODE_KERNEL_MAX_SEQ:  # a row's queries share its keys
-        return kernel(q, k_cache, v_cache, launch.slot_ids, launch.positions, launch.span, scale)
-    # prefill: each token a row of its own, so it sees exactly its own prefix
-    slots, positions = launch.token_rows()
-    rows = q.reshape(batch * seq, 1, heads, head_dim)
-    out = kernel(rows, k_cache, v_cache, slots, positions[:, None], launch.span, scale)
-    return out.view(batch, seq, heads, -1)
 
 
 def causal_mask(positions: torch.Tensor, span: int) -> torch.Tensor:
@@ -263,22 +147,3 @@ def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     cos/sin are [B, S, 1, D/2], one angle per pair."""
     even, odd = x[..., 0::2].float(), x[..., 1::2].float()
     return torch.cat((even * cos - odd * sin, odd * cos + even * sin), dim=-1).to(x.dtype)
-
-
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """RoPE inverse frequencies, with `linear` or Llama 3 (`llama3`) scaling applied."""
-    exponents = torch.arange(0, config.head_dim, 2, dtype=torch.int64).float() / config.head_dim
-    inv_freq = 1.0 / (config.rope_theta**exponents)
-    scaling = config.rope_scaling
-    if config.rope_type == "linear":
-        return inv_freq / scaling["factor"]
-    if config.rope_type != "llama3":
-        return inv_freq
-    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old_context = scaling["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
-    smooth = (old_context / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= old_context / high) & (wavelen <= old_context / low)
-    return torch.where(medium, smoothed, scaled)

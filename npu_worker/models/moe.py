@@ -18,10 +18,9 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from npu_worker.models.cpu_linear import fused_outputs
+from npu_worker.models.kit import LayerKit
 
 
 class ExpertGroup(Protocol):
@@ -91,16 +90,15 @@ def expert_share(num_experts: int, rank: int, size: int) -> range:
 class GatedMLP(nn.Module):
     """SiLU-gated MLP (`gate_proj`, `up_proj`, `down_proj`): a dense layer or one expert."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, kit: LayerKit) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = kit.linear(hidden_size, intermediate_size)
+        self.up_proj = kit.linear(hidden_size, intermediate_size)
+        self.down_proj = kit.linear(intermediate_size, hidden_size)
+        self.gated = kit.gated(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        pair = fused_outputs(self, x)  # gate and up in one product, where packed so
-        gate, up = pair if pair is not None else (self.gate_proj(x), self.up_proj(x))
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.gated(x))
 
 
 def routed_output(

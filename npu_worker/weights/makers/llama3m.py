@@ -8,7 +8,7 @@ heads, MLP 640, vocabulary 512: 3.0M parameters) saved with `save_pretrained`, w
 The weights are drawn from one seeded generator in parameter-name order, not by
 `transformers`' own initialisation, so every `transformers` version writes the same bytes.
 
-    python bench/make_llama3m.py DIR [--seed 0]
+    python -m npu_worker.weights.makers.llama3m DIR [--seed 0]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import transformers
 
-from npu_worker.models.tiny import ensure_tiny_model
+from npu_worker.weights.tiny import ensure_tiny_model
 
 VOCAB_SIZE = 512
 CONFIG: dict[str, Any] = {
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = build_llama3m(args.out, args.seed)
     except (FileExistsError, ValueError) as exc:
-        print(f"make_llama3m: {exc}", file=sys.stderr)
+        print(f"npu_worker.weights.makers.llama3m: {exc}", file=sys.stderr)
         return 2
     model = transformers.AutoModelForCausalLM.from_pretrained(out)
     print(f"{out}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")

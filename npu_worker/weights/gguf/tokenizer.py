@@ -13,7 +13,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from npu_worker.models.config import UnsupportedModel
-from npu_worker.models.gguf_reader import metadata
+from npu_worker.weights.gguf.reader import metadata
 
 # llama.cpp token types (`tokenizer.ggml.token_type`)
 NORMAL, CONTROL, USER_DEFINED = 1, 3, 4

@@ -120,7 +120,7 @@ def build_tiny_model(
     )
     weights = _random_weights(config, seed)
     save_file(weights, str(out / "model.safetensors"))
-    from npu_worker.models.tiny_mtp import fit_mtp  # needs the main weights on disk first
+    from npu_worker.weights.tiny_mtp import fit_mtp  # needs the main weights on disk first
 
     weights |= fit_mtp(out, CORPUS, seed, progress)
     config["num_nextn_predict_layers"] = 1

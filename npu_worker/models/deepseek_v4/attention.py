@@ -1,4 +1,4 @@
-"""DeepSeek-V4's attention over its per-slot state (deepseek_v4_state.py).
+"""DeepSeek-V4's attention over its per-slot state (state.py).
 
 One K=V head per token: queries through a low-rank `wq_a` / `wq_b`, keys `norm(wkv(x))`,
 the trailing `rope_dim` channels of both rotated in interleaved pairs (the output's rotated
@@ -21,8 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from npu_worker.models.deepseek_v4_config import CSA, DeepseekV4Config
-from npu_worker.models.deepseek_v4_state import DeepseekV4State, Ring
+from npu_worker.models.deepseek_v4.config import CSA, DeepseekV4Config
+from npu_worker.models.deepseek_v4.state import DeepseekV4State, Ring
+from npu_worker.models.kit import LayerKit
 from npu_worker.models.launch import LaunchInputs
 
 KEY_BLOCK = 32  # keys a block of the attention's sums holds (see `_attend`)
@@ -41,20 +42,6 @@ def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     """RMS normalisation without a weight."""
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
-
-
-class Norm(nn.Module):
-    """RMSNorm with its weight applied in float32 (V4 keeps its norms in float32)."""
-
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * h).to(x.dtype)
 
 
 class Launch:
@@ -77,14 +64,16 @@ class Launch:
 class Compressor(nn.Module):
     """One entry per closed window of `rate` tokens (`wkv`, `wgate`, `ape`, `norm`)."""
 
-    def __init__(self, config: DeepseekV4Config, rate: int, dim: int, overlap: bool) -> None:
+    def __init__(
+        self, config: DeepseekV4Config, rate: int, dim: int, overlap: bool, kit: LayerKit
+    ) -> None:
         super().__init__()
         self.rate, self.dim, self.overlap = rate, dim, overlap
         width = 2 * dim if overlap else dim
-        self.wkv = nn.Linear(config.hidden_size, width, bias=False)
-        self.wgate = nn.Linear(config.hidden_size, width, bias=False)
+        self.wkv = kit.linear(config.hidden_size, width)
+        self.wgate = kit.linear(config.hidden_size, width)
         self.ape = nn.Parameter(torch.zeros(rate, width))
-        self.norm = Norm(dim, config.rms_norm_eps)
+        self.norm = kit.rms_norm(dim, config.rms_norm_eps, float32_weight=True)
 
     def forward(
         self,
@@ -133,13 +122,13 @@ class Indexer(nn.Module):
     """CSA's lightning indexer: its own compressor at `index_head_dim`, and per query the
     `index_topk` entries of highest `sum_h w_h * relu(q_h . k)` (`wq_b`, `weights_proj`)."""
 
-    def __init__(self, config: DeepseekV4Config) -> None:
+    def __init__(self, config: DeepseekV4Config, kit: LayerKit) -> None:
         super().__init__()
         self.config = config
         heads, dim = config.index_n_heads, config.index_head_dim
-        self.compressor = Compressor(config, config.csa_rate, dim, overlap=True)
-        self.wq_b = nn.Linear(config.q_lora_rank, heads * dim, bias=False)
-        self.weights_proj = nn.Linear(config.hidden_size, heads, bias=False)
+        self.compressor = Compressor(config, config.csa_rate, dim, overlap=True, kit=kit)
+        self.wq_b = kit.linear(config.q_lora_rank, heads * dim)
+        self.weights_proj = kit.linear(config.hidden_size, heads)
 
     def forward(
         self,
@@ -169,25 +158,26 @@ class Indexer(nn.Module):
 class Attention(nn.Module):
     """Sliding-window attention, plus compressed entries in CSA and HCA layers."""
 
-    def __init__(self, config: DeepseekV4Config, layer: int) -> None:
+    def __init__(self, config: DeepseekV4Config, layer: int, kit: LayerKit) -> None:
         super().__init__()
         self.config, self.layer = config, layer
         self.rate = config.rate(layer)
         self.kind = config.layer_kind(layer)
-        c, hidden = config, config.hidden_size
-        self.wq_a = nn.Linear(hidden, c.q_lora_rank, bias=False)
-        self.q_norm = Norm(c.q_lora_rank, c.rms_norm_eps)
-        self.wq_b = nn.Linear(c.q_lora_rank, c.num_heads * c.head_dim, bias=False)
-        self.wkv = nn.Linear(hidden, c.head_dim, bias=False)
-        self.norm = Norm(c.head_dim, c.rms_norm_eps)
+        c, hidden, eps = config, config.hidden_size, config.rms_norm_eps
+        self.wq_a = kit.linear(hidden, c.q_lora_rank)
+        self.q_norm = kit.rms_norm(c.q_lora_rank, eps, float32_weight=True)
+        self.wq_b = kit.linear(c.q_lora_rank, c.num_heads * c.head_dim)
+        self.wkv = kit.linear(hidden, c.head_dim)
+        self.norm = kit.rms_norm(c.head_dim, eps, float32_weight=True)
         group_in = c.num_heads * c.head_dim // c.o_groups
+        # grouped: its weight is read per group (`forward`), never a product of its own
         self.wo_a = nn.Linear(group_in, c.o_groups * c.o_lora_rank, bias=False)
-        self.wo_b = nn.Linear(c.o_groups * c.o_lora_rank, hidden, bias=False)
+        self.wo_b = kit.linear(c.o_groups * c.o_lora_rank, hidden)
         self.attn_sink = nn.Parameter(torch.zeros(c.num_heads))
         if self.rate:
-            self.compressor = Compressor(c, self.rate, c.head_dim, overlap=self.kind == CSA)
+            self.compressor = Compressor(c, self.rate, c.head_dim, self.kind == CSA, kit)
         if self.kind == CSA:
-            self.indexer = Indexer(c)
+            self.indexer = Indexer(c, kit)
 
     def forward(
         self,

@@ -1,4 +1,4 @@
-/* The CPU kernels of npu-pool (cpu_kernels.py builds this file with the system's C compiler
+/* The CPU kernels of npu-pool (library.py builds this file with the system's C compiler
    and calls it through ctypes): attention over the KV cache that reads each query's own
    keys once, RoPE with the K/V writes, and RMSNorm. Every sum runs in one fixed order that
    depends only on its own row, so a row's results do not depend on what shares its launch. */

@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from npu_worker.models.deepseek_v4_config import CSA, DeepseekV4Config, state_elements_per_slot
-from npu_worker.models.launch import KVCache
+from npu_worker.models.deepseek_v4.config import CSA, DeepseekV4Config, state_elements_per_slot
 
 
 class Ring:
@@ -53,9 +52,10 @@ class Ring:
         self.rows[slot_ids[:, None].expand_as(index), index] = values.to(self.rows.dtype)
 
 
-class DeepseekV4State(KVCache):
+class DeepseekV4State:
     """Every layer's window ring, and in compressed layers its entries, index keys and
-    projection rings, for `num_slots` slots of up to `max_kv_len` positions."""
+    projection rings, for `num_slots` slots of up to `max_kv_len` positions (a
+    `ModelState`: models/launch.py)."""
 
     def __init__(
         self,
@@ -66,7 +66,6 @@ class DeepseekV4State(KVCache):
         device: torch.device,
         mtp: bool = False,
     ) -> None:
-        self.k, self.v = [], []
         self.mtp = mtp
         num_layers = config.num_layers + (1 if mtp else 0)  # the MTP block's is last
         self.num_slots, self.max_kv_len, self.device = num_slots, max_kv_len, device
@@ -101,8 +100,13 @@ class DeepseekV4State(KVCache):
         return torch.zeros((num_slots, rows, width), dtype=like.dtype, device=like.device)
 
     @property
+    def scratch_position(self) -> int:
+        """The position padding rows write to."""
+        return self.max_kv_len
+
+    @property
     def bytes_per_slot(self) -> int:
-        """State bytes one slot takes over every layer (deepseek_v4_config's formula)."""
+        """State bytes one slot takes over every layer (config.py's formula)."""
         elements = sum(state_elements_per_slot(self.config, self.max_kv_len, self.mtp).values())
         return elements * self.window[0].rows.element_size()
 

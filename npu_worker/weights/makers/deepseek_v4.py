@@ -1,8 +1,8 @@
 """A small random DeepSeek-V4 checkpoint written by `transformers` (a test and bench
 dependency), with the tiny model's byte-level tokenizer, for the tests and `npu-pool bench`:
 
-    python -m bench.make_deepseek_v4 DIR [--windows small|real] [--mtp] [--fp8] [--release]
-                                         [--bench]
+    python -m npu_worker.weights.makers.deepseek_v4 DIR [--windows small|real] [--mtp]
+                                                     [--fp8] [--release] [--bench]
 
 Every layer type is present (sliding, CSA, HCA) and both MoE kinds (hash-routed first, then
 scored). `--windows small` uses a 16-token window and compress rates 4/16, so short prompts
@@ -38,12 +38,13 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from bench.make_deepseek_v3 import fp8_blocks
-from npu_worker.models.deepseek_v4 import DeepseekV4CausalLM
+from npu_worker.models.deepseek_v4.model import DeepseekV4CausalLM
 from npu_worker.models.launch import LaunchInputs
-from npu_worker.models.loader import load_model
-from npu_worker.models.tiny import ensure_tiny_model
 from npu_worker.runner import LaunchRunner
+from npu_worker.weights.loader import load_model
+from npu_worker.weights.makers.deepseek_v3 import fp8_blocks
+from npu_worker.weights.tiny import ensure_tiny_model
+from schemas.control import PrefillChunk
 from schemas.registry import LaunchShapes
 
 VOCAB_SIZE = 512  # the tiny tokenizer's
@@ -343,7 +344,7 @@ def draft_logits(
     targets = torch.arange(length - 2).expand(n, -1)
     next_ids = torch.roll(sequences, -1, dims=1)
     launch = LaunchInputs(next_ids, positions, torch.arange(n), targets, length, 0)
-    return model.draft_logits(launch, hidden, model.new_cache(n, length))
+    return model.draft_logits(launch, hidden, model.new_state(n, length))
 
 
 def draft_accuracy(
@@ -379,7 +380,10 @@ def greedy_data(
     runner = LaunchRunner(model, shapes)
     lengths = [rng.randint(*fit.prompts) for _ in range(count)]
     tokens = [[rng.randrange(2, VOCAB_SIZE) for _ in range(n)] for n in lengths]
-    last = [int(runner.prefill(slot, p, 0).argmax()) for slot, p in enumerate(tokens)]
+    last = [
+        int(runner.prefill([PrefillChunk(slot, 0, len(p))], [p]).logits.argmax())
+        for slot, p in enumerate(tokens)
+    ]
     while True:
         live = [s for s in range(count) if len(tokens[s]) < length]
         for s in live:
@@ -392,7 +396,12 @@ def greedy_data(
             picked = runner.decode(group, [last[s] for s in group], positions).argmax(-1)
             for s, token in zip(group, picked.tolist()):
                 last[s] = token
-    hidden = torch.cat([runner.prefill_launch(s, seq, 0).hidden for s, seq in enumerate(tokens)])
+    hidden = torch.cat(
+        [
+            runner.prefill([PrefillChunk(s, 0, len(seq))], [seq]).hidden
+            for s, seq in enumerate(tokens)
+        ]
+    )
     targets = torch.arange(2, length)
     generated = targets[None, :] >= torch.tensor(lengths)[:, None]
     return torch.tensor(tokens), hidden.clone(), generated

@@ -1,5 +1,6 @@
-"""The CPU kernels of a launch: attention over the cache that reads each query's own live
-keys once, RoPE with the K/V writes, and RMSNorm, each in one call.
+"""The CPU kernels' library: attention over the cache that reads each query's own live keys
+once, RoPE with the K/V writes, RMSNorm, and a bfloat16 linear product, each in one call;
+built from C with the system's compiler and called through ctypes.
 
 Batched matrix products over a launch's whole span read every row's keys up to the longest
 context in the launch, and at the shapes of a decode launch (a few query heads per KV head)
@@ -9,7 +10,7 @@ them: a dot product per key, a softmax, a weighted sum of the values, each in on
 order that depends only on the row's own context. The dot products are summed 16 keys at
 a time through one tree of shuffles (no horizontal sum per key), and bfloat16 keys are
 multiplied as bfloat16 pairs accumulated in float32 (AVX512-BF16) where the CPU has it.
-Prefill chunks pass every token as a row of its own (layers.py), so a prompt token's
+Prefill chunks pass every token as a row of its own (attention.py), so a prompt token's
 attention is computed exactly as its decode would be. So a row's output is bit-identical
 whatever else shares its launch and whatever span the launch reads (docs/architecture.md §2).
 
@@ -18,11 +19,11 @@ whatever else shares its launch and whatever span the launch reads (docs/archite
 `rms_norm` is Llama's RMSNorm (in bfloat16 the bits of the torch path): each replaces a
 dozen small torch operations a layer, whose dispatch cost as much as their arithmetic.
 
-The C (`cpu_kernels.c`, beside this file) is built once per machine with the system's C
+The C (`kernels.c` and `matmul.c`, beside this file) is built once per machine with the system's C
 compiler into the npu-pool cache (keyed by its source, the compiler and the CPU) and called
 through ctypes, which releases the GIL while it runs. Where there is no compiler or the
-build fails, `load_cpu_kernels` returns None and launches keep the batched-matrix path and
-plain torch operations.
+build fails, `load_cpu_kernels` returns None and the CPU kit (layers.py) keeps the
+batched-matrix path and plain torch operations.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from schemas.config import cache_dir
 log = logging.getLogger(__name__)
 
 # shipped as package data, built into one library
-SOURCE_FILES = [Path(__file__).with_name(name) for name in ("cpu_kernels.c", "cpu_matmul.c")]
+SOURCE_FILES = [Path(__file__).with_name(name) for name in ("kernels.c", "matmul.c")]
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
@@ -99,7 +100,7 @@ class CpuKernels:
     ) -> torch.Tensor:
         """x [..., inputs] bfloat16 times a weight packed by `pack_linear`, plus the bias
         (summed in float32, rounded to bfloat16 once): [..., outputs] bfloat16. A row's
-        bits depend only on that row (cpu_matmul.c)."""
+        bits depend only on that row (matmul.c)."""
         inputs = x.shape[-1]
         rows = x.reshape(-1, inputs)
         if rows.stride(-1) != 1:
@@ -167,7 +168,7 @@ class CpuKernels:
             raise MemoryError("rope_store could not allocate its work buffer")
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """RMSNorm of x's last dimension, as `layers.RMSNorm` computes it (float32
+        """RMSNorm of x's last dimension, as `models.layers.RMSNorm` computes it (float32
         statistics, the normalised row rounded to x's dtype before the weight), in one
         call; x contiguous, weight of x's dtype."""
         out = torch.empty_like(x)

@@ -16,7 +16,7 @@ checkpoints built on its architecture) reading and writing a static latent KV ca
   `eh_proj`, one decoder block and `shared_head`, loaded as `mtp.*`.
 
 Module names follow the checkpoint, so its state dict loads as it is; its config, YaRN
-tables and tensor names are in `deepseek_v3_config.py`.
+tables and tensor names are in `config.py`.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from npu_worker.models.deepseek_v3_config import DeepseekV3Config, rope_tables
+from npu_worker.models.deepseek_v3.config import DeepseekV3Config, rope_tables
+from npu_worker.models.kit import LayerKit, TorchKit
 from npu_worker.models.launch import KVCache, LaunchInputs, LaunchModel, LaunchOutput
 from npu_worker.models.layers import (
-    RMSNorm,
     attend,
     cached_keys,
     causal_mask,
@@ -47,22 +47,23 @@ from npu_worker.models.moe import (
 class LatentAttention(nn.Module):
     """MLA over a latent cache, `kv_b_proj` absorbed into the query and the output."""
 
-    def __init__(self, config: DeepseekV3Config, layer: int) -> None:
+    def __init__(self, config: DeepseekV3Config, layer: int, kit: LayerKit) -> None:
         super().__init__()
         self.config, self.layer = config, layer
         hidden, heads, bias = config.hidden_size, config.num_heads, config.attention_bias
         q_out = heads * config.qk_head_dim
         if config.q_lora_rank is None:
-            self.q_proj = nn.Linear(hidden, q_out, bias=False)
+            self.q_proj = kit.linear(hidden, q_out)
         else:
-            self.q_a_proj = nn.Linear(hidden, config.q_lora_rank, bias=bias)
-            self.q_a_layernorm = RMSNorm(config.q_lora_rank, 1e-6)
-            self.q_b_proj = nn.Linear(config.q_lora_rank, q_out, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(hidden, config.latent_dim, bias=bias)
-        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, 1e-6)
+            self.q_a_proj = kit.linear(hidden, config.q_lora_rank, bias=bias)
+            self.q_a_layernorm = kit.rms_norm(config.q_lora_rank, 1e-6)
+            self.q_b_proj = kit.linear(config.q_lora_rank, q_out)
+        self.kv_a_proj_with_mqa = kit.linear(hidden, config.latent_dim, bias=bias)
+        self.kv_a_layernorm = kit.rms_norm(config.kv_lora_rank, 1e-6)
         kv_b_out = heads * (config.qk_nope_head_dim + config.v_head_dim)
+        # absorbed into the queries and the output: only its weight is read, never a product
         self.kv_b_proj = nn.Linear(config.kv_lora_rank, kv_b_out, bias=False)
-        self.o_proj = nn.Linear(heads * config.v_head_dim, hidden, bias=bias)
+        self.o_proj = kit.linear(heads * config.v_head_dim, hidden, bias=bias)
 
     def forward(
         self,
@@ -142,14 +143,16 @@ class Router(nn.Module):
 class MoE(ExpertBlock):
     """Routed experts (this rank's share, `mlp.experts.{e}.*`) plus the shared experts."""
 
-    def __init__(self, config: DeepseekV3Config, share: range) -> None:
+    def __init__(self, config: DeepseekV3Config, share: range, kit: LayerKit) -> None:
         super().__init__()
         self.share = share
         self.gate = Router(config)
         size, inner = config.hidden_size, config.moe_intermediate_size
-        self.experts = nn.ModuleDict({str(e): GatedMLP(size, inner) for e in share})
+        self.experts = nn.ModuleDict({str(e): GatedMLP(size, inner, kit) for e in share})
         self.shared_experts = (
-            GatedMLP(size, inner * config.n_shared_experts) if config.n_shared_experts else None
+            GatedMLP(size, inner * config.n_shared_experts, kit)
+            if config.n_shared_experts
+            else None
         )
         self.group: ExpertGroup = LocalExperts()
 
@@ -161,16 +164,16 @@ class MoE(ExpertBlock):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: DeepseekV3Config, layer: int, share: range) -> None:
+    def __init__(self, config: DeepseekV3Config, layer: int, share: range, kit: LayerKit) -> None:
         super().__init__()
-        self.self_attn = LatentAttention(config, layer)
+        self.self_attn = LatentAttention(config, layer, kit)
         self.mlp: nn.Module = (
-            MoE(config, share)
+            MoE(config, share, kit)
             if config.is_moe_layer(layer)
-            else GatedMLP(config.hidden_size, config.intermediate_size)
+            else GatedMLP(config.hidden_size, config.intermediate_size, kit)
         )
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = kit.rms_norm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = kit.rms_norm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
         self,
@@ -189,20 +192,20 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, config: DeepseekV3Config, share: range) -> None:
+    def __init__(self, config: DeepseekV3Config, share: range, kit: LayerKit) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, share) for i in range(config.num_layers)
+            DecoderLayer(config, i, share, kit) for i in range(config.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = kit.rms_norm(config.hidden_size, config.rms_norm_eps)
 
 
 class SharedHead(nn.Module):
-    def __init__(self, config: DeepseekV3Config) -> None:
+    def __init__(self, config: DeepseekV3Config, kit: LayerKit) -> None:
         super().__init__()
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.norm = kit.rms_norm(config.hidden_size, config.rms_norm_eps)
+        self.head = kit.linear(config.hidden_size, config.vocab_size)
 
 
 class MTPLayer(nn.Module):
@@ -210,17 +213,18 @@ class MTPLayer(nn.Module):
     position i and the embedding of token i+1, one decoder block predicts token i+2. Its
     block keeps its own cache layer (index `num_layers`)."""
 
-    def __init__(self, config: DeepseekV3Config, share: range) -> None:
+    def __init__(self, config: DeepseekV3Config, share: range, kit: LayerKit) -> None:
         super().__init__()
-        self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.eh_proj = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
-        self.block = DecoderLayer(config, config.num_layers, share)
-        self.shared_head = SharedHead(config)
+        self.enorm = kit.rms_norm(config.hidden_size, config.rms_norm_eps)
+        self.hnorm = kit.rms_norm(config.hidden_size, config.rms_norm_eps)
+        self.eh_proj = kit.linear(2 * config.hidden_size, config.hidden_size)
+        self.block = DecoderLayer(config, config.num_layers, share, kit)
+        self.shared_head = SharedHead(config, kit)
 
 
-class DeepseekV3CausalLM(LaunchModel, ExpertModel):
-    """Decoder + LM head (+ the MTP layer); each call runs one fixed-shape launch."""
+class DeepseekV3CausalLM(LaunchModel[KVCache], ExpertModel):
+    """Decoder + LM head (+ the MTP layer); each call runs one fixed-shape launch. Its
+    layers come from `kit` (plain torch layers by default)."""
 
     def __init__(
         self,
@@ -228,13 +232,15 @@ class DeepseekV3CausalLM(LaunchModel, ExpertModel):
         max_positions: int,
         with_mtp: bool = False,
         experts: range | None = None,
+        kit: LayerKit | None = None,
     ) -> None:
         super().__init__()
         share = range(config.n_routed_experts) if experts is None else experts
-        self.config = config
-        self.model = Backbone(config, share)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.mtp = MTPLayer(config, share) if with_mtp else None
+        kit = kit or TorchKit()
+        self.config, self.kit = config, kit
+        self.model = Backbone(config, share, kit)
+        self.lm_head = kit.linear(config.hidden_size, config.vocab_size)
+        self.mtp = MTPLayer(config, share, kit) if with_mtp else None
         cos, sin = rope_tables(config, max_positions)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -247,11 +253,22 @@ class DeepseekV3CausalLM(LaunchModel, ExpertModel):
         """Every MoE block, the MTP layer's included."""
         return [m for m in self.modules() if isinstance(m, MoE)]
 
-    def tie_weights(self) -> None:
-        """Share the embedding with the head, for tied checkpoints."""
-        self.lm_head.weight = self.model.embed_tokens.weight
+    def output_head(self) -> nn.Linear:
+        """`lm_head`."""
+        return self.lm_head
 
-    def new_cache(self, num_slots: int, max_kv_len: int) -> KVCache:
+    def input_embeddings(self) -> nn.Embedding:
+        """`model.embed_tokens`."""
+        return self.model.embed_tokens
+
+    def place(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Move to `device` in `dtype`; the rotary tables and the routers in float32."""
+        self.to(device=device, dtype=dtype).eval()
+        self.rope_cos, self.rope_sin = self.rope_cos.float(), self.rope_sin.float()
+        for moe in self.moe_layers():
+            moe.gate.float()  # routing stays in float32 whatever the weights' dtype
+
+    def new_state(self, num_slots: int, max_kv_len: int) -> KVCache:
         """The latent cache: one [slots, 1, positions + 1, kv_lora_rank + qk_rope_head_dim]
         buffer per layer (and the MTP block's), values a view of its first channels."""
         weight = self.lm_head.weight
@@ -274,18 +291,18 @@ class DeepseekV3CausalLM(LaunchModel, ExpertModel):
         return self.rope_cos[positions][:, :, None, :], self.rope_sin[positions][:, :, None, :]
 
     @torch.inference_mode()
-    def forward(self, launch: LaunchInputs, cache: KVCache) -> LaunchOutput:
+    def forward(self, launch: LaunchInputs, state: KVCache) -> LaunchOutput:
         cos, sin = self.rope(launch.positions)
         x = self.model.embed_tokens(launch.input_ids)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, launch, cache)
+            x = layer(x, cos, sin, launch, state)
         hidden = self.model.norm(x)
         rows = torch.arange(hidden.shape[0], device=hidden.device)[:, None]
         logits = self.lm_head(hidden[rows, launch.logit_index]).float()
         return LaunchOutput(logits, hidden)
 
     @torch.inference_mode()
-    def draft(self, launch: LaunchInputs, hidden: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def draft(self, launch: LaunchInputs, hidden: torch.Tensor, state: KVCache) -> torch.Tensor:
         """MTP logits [B, K, vocab]: `launch.input_ids` hold token i+1 for each hidden state i."""
         if self.mtp is None:
             raise RuntimeError("this model has no MTP layer")
@@ -293,6 +310,6 @@ class DeepseekV3CausalLM(LaunchModel, ExpertModel):
         cos, sin = self.rope(launch.positions)
         embedded = self.model.embed_tokens(launch.input_ids)
         x = mtp.eh_proj(torch.cat((mtp.enorm(embedded), mtp.hnorm(hidden)), dim=-1))
-        x = mtp.shared_head.norm(mtp.block(x, cos, sin, launch, cache))
+        x = mtp.shared_head.norm(mtp.block(x, cos, sin, launch, state))
         rows = torch.arange(x.shape[0], device=x.device)[:, None]
         return mtp.shared_head.head(x[rows, launch.logit_index]).float()

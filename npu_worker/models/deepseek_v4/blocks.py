@@ -17,12 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from npu_worker.models.deepseek_v4_attention import Attention, Launch, Norm, unit_rms
-from npu_worker.models.deepseek_v4_config import SLIDING, DeepseekV4Config
-from npu_worker.models.deepseek_v4_state import DeepseekV4State
+from npu_worker.models.deepseek_v4.attention import Attention, Launch, unit_rms
+from npu_worker.models.deepseek_v4.config import SLIDING, DeepseekV4Config
+from npu_worker.models.deepseek_v4.state import DeepseekV4State
+from npu_worker.models.kit import LayerKit
 from npu_worker.models.moe import ExpertBlock, ExpertGroup, LocalExperts, routed_output
-
-FLOAT32_PARTS = ("norm", "attn_sink", "ape", "hc_", "gate.weight", "gate.bias")
 
 
 def hyper_mix(
@@ -63,11 +62,11 @@ def hyper_add(
 class Expert(nn.Module):
     """SwiGLU with clamped pre-activations (`w1` gate, `w3` up, `w2` down)."""
 
-    def __init__(self, hidden_size: int, inner: int, limit: float) -> None:
+    def __init__(self, hidden_size: int, inner: int, limit: float, kit: LayerKit) -> None:
         super().__init__()
-        self.w1 = nn.Linear(hidden_size, inner, bias=False)
-        self.w2 = nn.Linear(inner, hidden_size, bias=False)
-        self.w3 = nn.Linear(hidden_size, inner, bias=False)
+        self.w1 = kit.linear(hidden_size, inner)
+        self.w2 = kit.linear(inner, hidden_size)
+        self.w3 = kit.linear(hidden_size, inner)
         self.limit = limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -116,13 +115,13 @@ class Router(nn.Module):
 class MoE(ExpertBlock):
     """Routed experts (this rank's share, `ffn.experts.{e}.*`) plus the shared expert."""
 
-    def __init__(self, config: DeepseekV4Config, layer: int, share: range) -> None:
+    def __init__(self, config: DeepseekV4Config, layer: int, share: range, kit: LayerKit) -> None:
         super().__init__()
         self.share = share
         self.gate = Router(config, config.hashed(layer))
         size, inner, limit = config.hidden_size, config.moe_intermediate_size, config.swiglu_limit
-        self.experts = nn.ModuleDict({str(e): Expert(size, inner, limit) for e in share})
-        self.shared_experts = Expert(size, inner, limit)
+        self.experts = nn.ModuleDict({str(e): Expert(size, inner, limit, kit) for e in share})
+        self.shared_experts = Expert(size, inner, limit, kit)
         self.group: ExpertGroup = LocalExperts()
 
     def forward(
@@ -137,14 +136,14 @@ class MoE(ExpertBlock):
 class Block(nn.Module):
     """Attention, then MoE, each between its hyper-connection mix (`hc_attn_*`, `hc_ffn_*`)."""
 
-    def __init__(self, config: DeepseekV4Config, layer: int, share: range) -> None:
+    def __init__(self, config: DeepseekV4Config, layer: int, share: range, kit: LayerKit) -> None:
         super().__init__()
         self.config = config
         self.rope = "main" if config.layer_kind(layer) == SLIDING else "compress"
-        self.attn = Attention(config, layer)
-        self.ffn = MoE(config, layer, share)
-        self.attn_norm = Norm(config.hidden_size, config.rms_norm_eps)
-        self.ffn_norm = Norm(config.hidden_size, config.rms_norm_eps)
+        self.attn = Attention(config, layer, kit)
+        self.ffn = MoE(config, layer, share, kit)
+        self.attn_norm = kit.rms_norm(config.hidden_size, config.rms_norm_eps, float32_weight=True)
+        self.ffn_norm = kit.rms_norm(config.hidden_size, config.rms_norm_eps, float32_weight=True)
         n, h = config.hc_mult, config.hidden_size
         self.hc_attn_fn = nn.Parameter(torch.zeros((2 + n) * n, n * h))
         self.hc_attn_base = nn.Parameter(torch.zeros((2 + n) * n))

@@ -22,9 +22,9 @@ import torch
 from safetensors.torch import save_file
 
 from npu_worker.models.config import UnsupportedModel
-from npu_worker.models.gguf_reader import metadata, read_gguf
-from npu_worker.models.gguf_tokenizer import build_tokenizer, tokenizer_config
 from npu_worker.startup import ReportProgress, no_progress
+from npu_worker.weights.gguf.reader import metadata, read_gguf
+from npu_worker.weights.gguf.tokenizer import build_tokenizer, tokenizer_config
 
 # GGUF `general.architecture` -> (Hugging Face class, whether llama.cpp permuted Q/K rows)
 ARCHITECTURES = {

@@ -1,4 +1,4 @@
-/* bfloat16 linear layers of the CPU kernels' own (built with cpu_kernels.c into one library),
+/* bfloat16 linear layers of the CPU kernels' own (built with kernels.c into one library),
    for CPUs where oneDNN's bfloat16 products run below what float32 multiply-adds reach: on
    one Intel CPU without AMX, `vdpbf16ps` issues on one port where float32 multiply-adds
    have two (bench/RESULTS.md). The weight is packed once into blocks of 16 outputs x 2

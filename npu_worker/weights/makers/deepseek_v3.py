@@ -1,7 +1,8 @@
 """A small random DeepSeek-V3 checkpoint written by `transformers` (a test and bench
 dependency), with the tiny model's byte-level tokenizer, for the tests and `npu-pool bench`:
 
-    python -m bench.make_deepseek_v3 DIR [--no-q-lora] [--mtp] [--fp8] [--bench] [--experts 8]
+    python -m npu_worker.weights.makers.deepseek_v3 DIR [--no-q-lora] [--mtp] [--fp8] [--bench]
+                                                     [--experts 8]
 
 Weights are scaled up so greedy top-1/top-2 logit margins are clear (a random model's are
 near 3e-4) and the router's correction bias is random, so routing is not uniform. With
@@ -26,11 +27,12 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from npu_worker.models.deepseek_v3 import DeepseekV3CausalLM
+from npu_worker.models.deepseek_v3.model import DeepseekV3CausalLM
 from npu_worker.models.launch import LaunchInputs
-from npu_worker.models.loader import load_model
-from npu_worker.models.tiny import ensure_tiny_model
 from npu_worker.runner import LaunchRunner
+from npu_worker.weights.loader import load_model
+from npu_worker.weights.tiny import ensure_tiny_model
+from schemas.control import PrefillChunk
 from schemas.registry import LaunchShapes
 
 VOCAB_SIZE = 512  # the tiny tokenizer's
@@ -219,7 +221,10 @@ def greedy_data(
     runner = LaunchRunner(model, shapes)
     lengths = [rng.randint(*FIT_PROMPTS) for _ in range(FIT_SEQUENCES)]
     tokens = [[rng.randrange(2, VOCAB_SIZE) for _ in range(n)] for n in lengths]
-    last = [int(runner.prefill(slot, p, 0).argmax()) for slot, p in enumerate(tokens)]
+    last = [
+        int(runner.prefill([PrefillChunk(slot, 0, len(p))], [p]).logits.argmax())
+        for slot, p in enumerate(tokens)
+    ]
     while True:
         live = [s for s in range(FIT_SEQUENCES) if len(tokens[s]) < FIT_LENGTH]
         for s in live:
@@ -231,7 +236,12 @@ def greedy_data(
         picked = runner.decode(live, [last[s] for s in live], positions).argmax(-1).tolist()
         for s, token in zip(live, picked):
             last[s] = token
-    hidden = torch.cat([runner.prefill_launch(s, seq, 0).hidden for s, seq in enumerate(tokens)])
+    hidden = torch.cat(
+        [
+            runner.prefill([PrefillChunk(s, 0, len(seq))], [seq]).hidden
+            for s, seq in enumerate(tokens)
+        ]
+    )
     targets = torch.arange(2, FIT_LENGTH)
     generated = targets[None, :] >= torch.tensor(lengths)[:, None]
     return torch.tensor(tokens), hidden.clone(), generated

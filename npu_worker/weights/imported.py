@@ -68,7 +68,7 @@ def ensure_imported(
     gguf_path: Path, root: Path | None = None, progress: ReportProgress = no_progress
 ) -> Path:
     """The model directory of a GGUF file, importing it first if this content is new."""
-    from npu_worker.models.gguf_import import import_gguf
+    from npu_worker.weights.gguf.convert import import_gguf
 
     gguf_path = Path(gguf_path).expanduser()
     if not gguf_path.is_file():

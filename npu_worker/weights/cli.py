@@ -32,8 +32,8 @@ def main(argv: list[str]) -> int:
 
 def import_main(gguf: Path, out: Path | None) -> int:
     """Import `gguf` to `out` (or the cache) with a progress bar; print the directory."""
-    from npu_worker.models.gguf_import import import_gguf
-    from npu_worker.models.imported import ensure_imported
+    from npu_worker.weights.gguf.convert import import_gguf
+    from npu_worker.weights.imported import ensure_imported
 
     started = time.monotonic()
     with Progress(transient=True) as bars:

@@ -10,11 +10,13 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
-from npu_worker.models.config import ModelConfig
 from npu_worker.models.launch import LaunchInputs
-from npu_worker.models.llama import CausalLM
+from npu_worker.models.llama.config import LlamaConfig
+from npu_worker.models.llama.model import CausalLM
 from npu_worker.runner import LaunchRunner
 from npu_worker.startup import ReportProgress, no_progress
+from npu_worker.weights.loader import load_model
+from schemas.control import PrefillChunk
 from schemas.registry import LaunchShapes
 
 SEQUENCES, PROMPT_LEN, LENGTH, STEPS = 64, 8, 64, 100
@@ -33,14 +35,14 @@ def _fit(
     path: Path, corpus: list[str], seed: int, progress: ReportProgress
 ) -> dict[str, torch.Tensor]:
     torch.manual_seed(seed)
-    config = ModelConfig.from_dir(path)
+    config = LlamaConfig.from_dir(path)
     model = CausalLM(config, max_positions=LENGTH, with_mtp=True)
     weights = {k: v for k, v in _load(path).items()}
     model.load_state_dict(weights, strict=False)
     _init_mtp(model, config)
     tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
     progress(FITTING, 0, STEPS + 1)
-    sequences, hidden = _greedy_data(model, config, tokenizer, corpus, seed)
+    sequences, hidden = _greedy_data(path, config, tokenizer, corpus, seed)
     optimizer = torch.optim.Adam(model.mtp.parameters(), lr=6e-3)  # type: ignore[union-attr]
     positions = torch.arange(LENGTH).expand(SEQUENCES, LENGTH)
     cos, sin = model.rope(positions)
@@ -71,7 +73,7 @@ def _load(path: Path) -> dict[str, torch.Tensor]:
     return load_file(str(path / "model.safetensors"))
 
 
-def _init_mtp(model: CausalLM, config: ModelConfig) -> None:
+def _init_mtp(model: CausalLM, config: LlamaConfig) -> None:
     for name, param in model.mtp.named_parameters():  # type: ignore[union-attr]
         if name.endswith("weight") and param.dim() == 2:
             torch.nn.init.normal_(param, std=param.shape[1] ** -0.5)
@@ -80,10 +82,13 @@ def _init_mtp(model: CausalLM, config: ModelConfig) -> None:
 
 
 def _greedy_data(
-    model: CausalLM, config: ModelConfig, tokenizer: Tokenizer, corpus: list[str], seed: int
+    path: Path, config: LlamaConfig, tokenizer: Tokenizer, corpus: list[str], seed: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy continuations of text and random prompts, and their final hidden states."""
+    """Greedy continuations of text and random prompts, and their final hidden states, as a
+    rank on this CPU computes them (its layer kit; the model being fitted has torch's
+    layers, since fitting needs autograd)."""
     rng = random.Random(seed)
+    model = load_model(path, "float32", torch.device("cpu"), LENGTH).model
     shapes = LaunchShapes(
         decode_batch=SEQUENCES,
         prefill_chunk=LENGTH,
@@ -101,7 +106,10 @@ def _greedy_data(
             ids = [rng.randrange(2, config.vocab_size) for _ in range(PROMPT_LEN)]
         prompts.append((ids + [rng.randrange(2, config.vocab_size)] * PROMPT_LEN)[:PROMPT_LEN])
     tokens = [list(p) for p in prompts]
-    last = [int(runner.prefill(slot, p, 0).argmax()) for slot, p in enumerate(prompts)]
+    last = [
+        int(runner.prefill([PrefillChunk(slot, 0, len(p))], [p]).logits.argmax())
+        for slot, p in enumerate(prompts)
+    ]
     for step in range(LENGTH - PROMPT_LEN):
         for seq, token in zip(tokens, last):
             seq.append(token)
@@ -111,6 +119,9 @@ def _greedy_data(
         last = runner.decode(list(range(SEQUENCES)), last, positions).argmax(-1).tolist()
     sequences = torch.tensor(tokens)
     hidden = torch.cat(
-        [runner.prefill_launch(slot, seq, 0).hidden for slot, seq in enumerate(tokens)]
+        [
+            runner.prefill([PrefillChunk(slot, 0, len(seq))], [seq]).hidden
+            for slot, seq in enumerate(tokens)
+        ]
     )
     return sequences, hidden.detach()

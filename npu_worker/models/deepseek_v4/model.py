@@ -1,10 +1,10 @@
 """DeepSeek-V4 (`DeepseekV4ForCausalLM`, `model_type: deepseek_v4`; DeepSeek-V4-Flash and
-V4-Pro) over fixed per-slot state (deepseek_v4_state.py).
+V4-Pro) over fixed per-slot state (state.py).
 
 - Attention by `layer_types`: sliding-window, compressed sparse (CSA) and heavily
-  compressed (HCA), single K=V head with per-head sinks (deepseek_v4_attention.py).
+  compressed (HCA), single K=V head with per-head sinks (attention.py).
 - Hyper-connections (`hc_mult` residual streams) and hash-routed and scored MoE
-  (deepseek_v4_blocks.py).
+  (blocks.py).
 - The MTP module (`mtp.0.*`, which transformers neither builds nor saves; as DeepSeek's own
   V4 inference code has it): from the main model's last-layer streams at position i
   (before `hc_head`) and the embedding of token i+1, `e_proj(enorm(embed)) +
@@ -22,46 +22,49 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from npu_worker.models.deepseek_v4_attention import Launch, Norm
-from npu_worker.models.deepseek_v4_blocks import Block, HyperHead, hyper_head
-from npu_worker.models.deepseek_v4_config import DeepseekV4Config, rope_table
-from npu_worker.models.deepseek_v4_state import DeepseekV4State
-from npu_worker.models.launch import KVCache, LaunchInputs, LaunchModel, LaunchOutput
+from npu_worker.models.deepseek_v4.attention import Launch
+from npu_worker.models.deepseek_v4.blocks import Block, HyperHead, hyper_head
+from npu_worker.models.deepseek_v4.config import DeepseekV4Config, rope_table
+from npu_worker.models.deepseek_v4.state import DeepseekV4State
+from npu_worker.models.kit import LayerKit, TorchKit
+from npu_worker.models.launch import LaunchInputs, LaunchModel, LaunchOutput
 from npu_worker.models.moe import ExpertModel
 
 FLOAT32_PARTS = ("norm", "attn_sink", "ape", "hc_", "ffn.gate.")  # ffn.gate: the routers
 
 
 class Backbone(nn.Module):
-    def __init__(self, config: DeepseekV4Config, share: range) -> None:
+    def __init__(self, config: DeepseekV4Config, share: range, kit: LayerKit) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Block(config, i, share) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(Block(config, i, share, kit) for i in range(config.num_layers))
         self.hc_head = HyperHead(config)
-        self.norm = Norm(config.hidden_size, config.rms_norm_eps)
+        self.norm = kit.rms_norm(config.hidden_size, config.rms_norm_eps, float32_weight=True)
 
 
 class MTPBlock(Block):
     """The MTP module's block, with its input projections and its own `hc_head` and norm."""
 
-    def __init__(self, config: DeepseekV4Config, share: range) -> None:
-        super().__init__(config, config.num_layers, share)
-        hidden, n = config.hidden_size, config.hc_mult
-        self.e_proj = nn.Linear(hidden, hidden, bias=False)
-        self.h_proj = nn.Linear(hidden, hidden, bias=False)
-        self.enorm = Norm(hidden, config.rms_norm_eps)
-        self.hnorm = Norm(hidden, config.rms_norm_eps)
-        self.norm = Norm(hidden, config.rms_norm_eps)
+    def __init__(self, config: DeepseekV4Config, share: range, kit: LayerKit) -> None:
+        super().__init__(config, config.num_layers, share, kit)
+        hidden, n, eps = config.hidden_size, config.hc_mult, config.rms_norm_eps
+        self.e_proj = kit.linear(hidden, hidden)
+        self.h_proj = kit.linear(hidden, hidden)
+        self.enorm = kit.rms_norm(hidden, eps, float32_weight=True)
+        self.hnorm = kit.rms_norm(hidden, eps, float32_weight=True)
+        self.norm = kit.rms_norm(hidden, eps, float32_weight=True)
         self.hc_head_fn = nn.Parameter(torch.zeros(n, n * hidden))
         self.hc_head_base = nn.Parameter(torch.zeros(n))
         self.hc_head_scale = nn.Parameter(torch.ones(1))
 
 
-class DeepseekV4CausalLM(LaunchModel, ExpertModel):
+class DeepseekV4CausalLM(LaunchModel[DeepseekV4State], ExpertModel):
     """Decoder + LM head over per-slot state; each call runs one fixed-shape launch. Its
-    prefill launches carry one request each (`packs` False)."""
+    prefill launches carry one request each (`packs` False). Its layers come from `kit`
+    (plain torch layers by default)."""
 
     packs = False
+    head_key = "head.weight"
 
     def __init__(
         self,
@@ -69,13 +72,15 @@ class DeepseekV4CausalLM(LaunchModel, ExpertModel):
         max_positions: int,
         with_mtp: bool = False,
         experts: range | None = None,
+        kit: LayerKit | None = None,
     ) -> None:
         super().__init__()
         share = range(config.n_routed_experts) if experts is None else experts
-        self.config = config
-        self.model = Backbone(config, share)
-        self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.mtp = nn.ModuleList([MTPBlock(config, share)]) if with_mtp else None
+        kit = kit or TorchKit()
+        self.config, self.kit = config, kit
+        self.model = Backbone(config, share, kit)
+        self.head = kit.linear(config.hidden_size, config.vocab_size)
+        self.mtp = nn.ModuleList([MTPBlock(config, share, kit)]) if with_mtp else None
         for name, rope in (("main", config.main_rope), ("compress", config.compress_rope)):
             cos, sin = rope_table(rope, config.rope_dim, max_positions)
             self.register_buffer(f"{name}_cos", cos, persistent=False)
@@ -87,9 +92,13 @@ class DeepseekV4CausalLM(LaunchModel, ExpertModel):
     compress_cos: torch.Tensor
     compress_sin: torch.Tensor
 
-    def tie_weights(self) -> None:
-        """Share the embedding with the head, for tied checkpoints."""
-        self.head.weight = self.model.embed_tokens.weight
+    def output_head(self) -> nn.Linear:
+        """`head`."""
+        return self.head
+
+    def input_embeddings(self) -> nn.Embedding:
+        """`model.embed_tokens`."""
+        return self.model.embed_tokens
 
     def place(self, device: torch.device, dtype: torch.dtype) -> None:
         """Move to `device` in `dtype`, except what V4 keeps in float32: norms, sinks,
@@ -106,7 +115,7 @@ class DeepseekV4CausalLM(LaunchModel, ExpertModel):
         for buffer in ("main_cos", "main_sin", "compress_cos", "compress_sin"):
             setattr(self, buffer, getattr(self, buffer).float())
 
-    def new_cache(self, num_slots: int, max_kv_len: int) -> KVCache:
+    def new_state(self, num_slots: int, max_kv_len: int) -> DeepseekV4State:
         """Every slot's window rings, compressed entries and compressor rings."""
         weight = self.head.weight
         return DeepseekV4State(
@@ -121,42 +130,40 @@ class DeepseekV4CausalLM(LaunchModel, ExpertModel):
         }
 
     @torch.inference_mode()
-    def forward(self, launch: LaunchInputs, cache: KVCache) -> LaunchOutput:
+    def forward(self, launch: LaunchInputs, state: DeepseekV4State) -> LaunchOutput:
         """Run one launch; `hidden` holds the streams before `hc_head`, [B, S, n * H]."""
-        if not isinstance(cache, DeepseekV4State):
-            raise TypeError("DeepSeek-V4 launches need its per-slot state (new_cache)")
-        at = Launch(launch, cache)
+        at = Launch(launch, state)
         x = self.model.embed_tokens(launch.input_ids)
         streams = x[:, :, None].expand(-1, -1, self.config.hc_mult, -1).contiguous()
         ropes = self.ropes()
         for layer in self.model.layers:
-            streams = layer(streams, launch.input_ids, at, cache, ropes)
+            streams = layer(streams, launch.input_ids, at, state, ropes)
         hidden = self.model.norm(self.model.hc_head(streams))
         rows = torch.arange(hidden.shape[0], device=hidden.device)[:, None]
         logits = self.head(hidden[rows, launch.logit_index]).float()
         return LaunchOutput(logits, streams.flatten(2))
 
     @torch.inference_mode()
-    def draft(self, launch: LaunchInputs, hidden: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def draft(
+        self, launch: LaunchInputs, hidden: torch.Tensor, state: DeepseekV4State
+    ) -> torch.Tensor:
         """MTP logits [B, K, vocab]: `launch.input_ids` hold token i+1 for each position i,
         whose main-model streams are `hidden` [B, S, n * H]."""
-        return self.draft_logits(launch, hidden, cache)
+        return self.draft_logits(launch, hidden, state)
 
     def draft_logits(
-        self, launch: LaunchInputs, hidden: torch.Tensor, cache: KVCache
+        self, launch: LaunchInputs, hidden: torch.Tensor, state: DeepseekV4State
     ) -> torch.Tensor:
         """`draft` without inference mode, for fitting the MTP module."""
         if self.mtp is None:
             raise RuntimeError("this model has no MTP module")
-        if not isinstance(cache, DeepseekV4State):
-            raise TypeError("DeepSeek-V4 launches need its per-slot state (new_cache)")
         mtp: MTPBlock = self.mtp[0]  # type: ignore[assignment]
         c = self.config
         batch, seq = launch.input_ids.shape
         streams = hidden.view(batch, seq, c.hc_mult, c.hidden_size)
         embedded = mtp.enorm(self.model.embed_tokens(launch.input_ids))
         x = mtp.e_proj(embedded)[:, :, None] + mtp.h_proj(mtp.hnorm(streams))
-        x = mtp(x, launch.input_ids, Launch(launch, cache), cache, self.ropes())
+        x = mtp(x, launch.input_ids, Launch(launch, state), state, self.ropes())
         out = mtp.norm(hyper_head(x, mtp.hc_head_fn, mtp.hc_head_base, mtp.hc_head_scale, c))
         rows = torch.arange(batch, device=out.device)[:, None]
         return self.head(out[rows, launch.logit_index]).float()

@@ -1,0 +1,106 @@
+"""Attention over the KV cache through the CPU kernels: every query reads its own slot's keys
+up to its own position, in place, so a prefill token's output is computed exactly as a decode
+of it would be, and the rotation of queries and keys with the K/V writes is one call
+(docs/architecture.md §2). Where the kernels cannot take a launch's tensors (a dtype or a
+layout they do not read) it runs the plain torch path, which keeps the same contract."""
+
+from __future__ import annotations
+
+import torch
+
+from npu_worker.kernels.cpu.library import CpuKernels
+from npu_worker.models.kit import RotaryAttention
+from npu_worker.models.launch import KVCache, LaunchInputs
+from npu_worker.models.layers import rotate_half, write_cache
+
+# Launches of at most this many tokens a row (decode S1, MTP verify and draft S2) pass the
+# attention kernel their rows as they are (a row's queries share one pass over its keys);
+# longer ones (prefill chunks) pass it every token as a row of its own.
+DECODE_KERNEL_MAX_SEQ = 4
+
+
+class KernelAttention(RotaryAttention):
+    """`RotaryAttention` through the CPU kernels: `rope_store` rotates and writes K/V, then
+    the kernel's attention reads each query's own keys."""
+
+    def __init__(self, num_kv_heads: int, library: CpuKernels) -> None:
+        super().__init__(num_kv_heads)
+        self.library = library
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache,
+        layer: int,
+        launch: LaunchInputs,
+    ) -> torch.Tensor:
+        """As `RotaryAttention`; the rotation and K/V writes in one call where q, k and v
+        are in the cache's dtype and token-major, else rotated in torch first."""
+        k_cache, v_cache = cache.k[layer], cache.v[layer]
+        library = self.library
+        if not (library.supports(k_cache) and library.supports(v_cache)):
+            return super().__call__(q, k, v, cos, sin, cache, layer, launch)
+        if not (
+            q.dtype == k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
+            and token_major(q)
+            and token_major(k)
+            and token_major(v)
+        ):
+            q, k = rotate_half(q, cos, sin), rotate_half(k, cos, sin)
+            if launch.packed:
+                slots, positions = launch.token_rows()
+                k_cache[slots, :, positions] = k[0].to(k_cache.dtype)
+                v_cache[slots, :, positions] = v[0].to(v_cache.dtype)
+            else:
+                write_cache(k_cache, v_cache, k, v, launch)
+            return kernel_attention(library, q, k_cache, v_cache, launch)
+        batch, seq, heads, dim = q.shape
+        tokens = batch * seq
+        slots, positions = launch.token_rows()
+        library.rope_store(
+            q.view(tokens, heads, dim),
+            k.view(tokens, self.num_kv_heads, dim),
+            v.view(tokens, self.num_kv_heads, -1),
+            cos.reshape(tokens, dim),
+            sin.reshape(tokens, dim),
+            k_cache,
+            v_cache,
+            slots,
+            positions,
+        )
+        return kernel_attention(library, q, k_cache, v_cache, launch)
+
+
+def token_major(x: torch.Tensor) -> bool:
+    """Whether x [B, S, H, D] is one run of heads and channels per token, tokens a fixed
+    stride apart (contiguous, or a slice of one fused projection's output)."""
+    batch, seq, heads, dim = x.shape
+    if x.stride(3) != 1 or x.stride(2) != dim:
+        return False
+    if batch == 1 or seq == 1:  # a dimension of one may have any stride
+        step = x.stride(1) if batch == 1 and seq > 1 else x.stride(0)
+        return batch * seq == 1 or step >= heads * dim
+    return x.stride(1) >= heads * dim and x.stride(0) == seq * x.stride(1)
+
+
+def kernel_attention(
+    library: CpuKernels,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    launch: LaunchInputs,
+) -> torch.Tensor:
+    """The kernel's attention of q [B, S, H, D] over a cache that holds the launch's K/V."""
+    batch, seq, heads, head_dim = q.shape
+    scale = head_dim**-0.5
+    if not launch.packed and seq <= DECODE_KERNEL_MAX_SEQ:  # a row's queries share its keys
+        return library(q, k_cache, v_cache, launch.slot_ids, launch.positions, launch.span, scale)
+    # prefill: each token a row of its own, so it sees exactly its own prefix
+    slots, positions = launch.token_rows()
+    rows = q.reshape(batch * seq, 1, heads, head_dim)
+    out = library(rows, k_cache, v_cache, slots, positions[:, None], launch.span, scale)
+    return out.view(batch, seq, heads, -1)

@@ -1,0 +1,227 @@
+"""The CPU's layer kit: linear layers on bfloat16 weights laid out once (products.py), an
+attention's q, k and v in one product, a gated MLP in fewer products, and RMSNorm and the
+attention through the CPU kernels where they are built (library.py, attention.py).
+
+Each layer keeps the contract of its plain torch form (models/kit.py): a row's result
+depends on nothing but that row. Where a launch's tensors are not what a fast path takes
+(float32 weights, another dtype, no library) the layer computes the plain form.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from npu_worker.kernels.cpu.attention import KernelAttention
+from npu_worker.kernels.cpu.library import CpuKernels
+from npu_worker.kernels.cpu.products import (
+    KernelProduct,
+    OneDnnProduct,
+    Product,
+    choose_product,
+    gated_fusion_safe,
+)
+from npu_worker.models.kit import Gated, Projections, RotaryAttention
+from npu_worker.models.layers import RMSNorm
+
+
+class PackedLinear(nn.Linear):
+    """An `nn.Linear` whose bfloat16 CPU weight `product` lays out once (`pack`)."""
+
+    product: Product | None
+    packed: torch.Tensor | None
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.product = None
+        self.packed = None
+
+    def packable(self) -> bool:
+        """Whether its weight is one a product lays out: bfloat16, on the CPU."""
+        return self.weight.dtype == torch.bfloat16 and self.weight.device.type == "cpu"
+
+    def pack(self, product: Product) -> None:
+        """Lay the weight out for `product` (the plain weight stays, for every other use)."""
+        self.product, self.packed = product, product.pack(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.product is None or self.packed is None or x.dtype != torch.bfloat16:
+            return F.linear(x, self.weight, self.bias)
+        bias = None if self.bias is None else self.bias.detach()
+        return self.product(x, self.packed, self.out_features, bias)
+
+
+class PackedProjections(Projections):
+    """Linear layers reading the same input as one packed weight: one product, its output
+    split (their tokens a row of the product apart)."""
+
+    def __init__(self, layers: tuple[nn.Linear, ...]) -> None:
+        super().__init__(layers)
+        self.product: Product | None = None
+        self.packed: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
+        self.sizes = [layer.out_features for layer in layers]
+
+    def packable(self) -> bool:
+        """Whether the layers can be one weight: all packable, one input size, each with a
+        bias or none with one."""
+        layers = self.layers
+        biases = [layer.bias is not None for layer in layers]
+        return (
+            all(isinstance(layer, PackedLinear) and layer.packable() for layer in layers)
+            and len({layer.in_features for layer in layers}) == 1
+            and len(set(biases)) == 1
+        )
+
+    def pack(self, product: Product) -> None:
+        """Lay the layers' weights out as one for `product`."""
+        with torch.no_grad():
+            self.packed = product.pack(torch.cat([layer.weight.detach() for layer in self.layers]))
+            biases = [layer.bias for layer in self.layers]
+            self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])  # type: ignore[union-attr]
+        self.product = product
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        if self.product is None or self.packed is None or x.dtype != torch.bfloat16:
+            return super().__call__(x)
+        out = self.product(x, self.packed, sum(self.sizes), self.bias)
+        return list(out.split(self.sizes, dim=-1))
+
+
+class PackedGated(Gated):
+    """silu(gate(x)) * up(x): with the kernels' products, gate and up in one product; with
+    oneDNN's, the activation and the product done inside its two packed products, where a
+    probe at start proved that form keeps a row's bits as the plain products do."""
+
+    def __init__(self, gate: nn.Linear, up: nn.Linear, max_rows: int) -> None:
+        super().__init__(gate, up)
+        self.pair = PackedProjections((gate, up))
+        self.max_rows = max_rows
+        self.post_ops: tuple[OneDnnProduct, PackedLinear, PackedLinear] | None = None
+
+    def pack(self, product: Product) -> bool:
+        """Lay out what this product fuses; False where the layers stay apart (packed or
+        not on their own)."""
+        if isinstance(product, KernelProduct) and self.pair.packable():
+            self.pair.pack(product)
+            return True
+        gate, up = self.gate, self.up
+        if (
+            isinstance(product, OneDnnProduct)
+            and isinstance(gate, PackedLinear)
+            and isinstance(up, PackedLinear)
+            and gate.bias is None
+            and up.bias is None
+            and gated_fusion_safe(gate.in_features, gate.out_features, self.max_rows)
+        ):
+            self.post_ops = (product, gate, up)  # each packed on its own, fused in the call
+        return False
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.bfloat16:
+            if self.pair.packed is not None:
+                gate, up = self.pair(x)
+                return F.silu(gate) * up
+            if self.post_ops is not None:
+                product, gate_layer, up_layer = self.post_ops
+                if gate_layer.packed is not None and up_layer.packed is not None:
+                    return product.gated(x, gate_layer.packed, up_layer.packed)
+        return super().__call__(x)
+
+
+class KernelRMSNorm(RMSNorm):
+    """RMSNorm in one call of the CPU kernels (in bfloat16 the bits of the torch form)."""
+
+    def __init__(self, size: int, eps: float, library: CpuKernels) -> None:
+        super().__init__(size, eps)
+        self.library = library
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if self.library.supports(x) and x.is_contiguous() and x.dtype == weight.dtype:
+            return self.library.rms_norm(x, weight.detach(), self.eps)
+        return super().forward(x)
+
+
+class CpuKit:
+    """The CPU's layers: `library` (None: not built, or turned off) runs the attention and
+    norms; `packed_linears` lays bfloat16 weights out once for the product this machine
+    runs best (`kernel_products`: force the kernels' own, or oneDNN's; None: the probe's
+    choice). `max_rows` is the most rows a launch passes a layer."""
+
+    def __init__(
+        self,
+        library: CpuKernels | None,
+        packed_linears: bool = True,
+        max_rows: int = 128,
+        kernel_products: bool | None = None,
+    ) -> None:
+        self.library = library
+        self.packed_linears = packed_linears
+        self.max_rows = max_rows
+        self.kernel_products = kernel_products
+        self.linears: list[PackedLinear] = []
+        self.groups: list[PackedProjections | PackedGated] = []
+        self.product: Product | None = None  # what `prepare` packed with, if anything
+
+    @property
+    def name(self) -> str:
+        """`+decode-kernel`, `+packed-linears` and `+kernel-products`, as they apply."""
+        name = "+decode-kernel" if self.library is not None else ""
+        if self.product is not None:
+            name += "+packed-linears"
+            if isinstance(self.product, KernelProduct):
+                name += "+kernel-products"
+        return name
+
+    def linear(self, in_features: int, out_features: int, bias: bool = False) -> nn.Linear:
+        """A `PackedLinear`."""
+        layer = PackedLinear(in_features, out_features, bias)
+        self.linears.append(layer)
+        return layer
+
+    def projections(self, *layers: nn.Linear) -> Projections:
+        """One packed product for every layer."""
+        group = PackedProjections(layers)
+        self.groups.append(group)
+        return group
+
+    def gated(self, gate: nn.Linear, up: nn.Linear) -> Gated:
+        """A `PackedGated`."""
+        group = PackedGated(gate, up, self.max_rows)
+        self.groups.append(group)
+        return group
+
+    def rms_norm(self, size: int, eps: float, float32_weight: bool = False) -> RMSNorm:
+        """Through the kernels where built; a float32-weight norm stays the torch form."""
+        if self.library is None or float32_weight:
+            return RMSNorm(size, eps, float32_weight)
+        return KernelRMSNorm(size, eps, self.library)
+
+    def rotary_attention(self, num_kv_heads: int) -> RotaryAttention:
+        """Through the kernels where built."""
+        if self.library is None:
+            return RotaryAttention(num_kv_heads)
+        return KernelAttention(num_kv_heads, self.library)
+
+    def prepare(self) -> None:
+        """Pack every bfloat16 weight once: groups as one weight where they can be, then
+        every other linear layer on its own. Nothing where no product is there."""
+        linears = [layer for layer in self.linears if layer.packable()]
+        if not self.packed_linears or not linears:
+            return
+        product = choose_product(self.library, self.kernel_products)
+        if product is None:
+            return
+        grouped: set[int] = set()
+        for group in self.groups:
+            if isinstance(group, PackedProjections) and group.packable():
+                group.pack(product)
+                grouped |= {id(layer) for layer in group.layers}
+            elif isinstance(group, PackedGated) and group.pack(product):
+                grouped |= {id(group.gate), id(group.up)}
+        for layer in linears:
+            if id(layer) not in grouped:
+                layer.pack(product)
+        self.product = product
