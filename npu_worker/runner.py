@@ -26,6 +26,7 @@ import torch
 
 from npu_worker.backends import make_backend
 from npu_worker.models.launch import LaunchInputs, LaunchModel, LaunchOutput
+from npu_worker.prefill_inputs import PrefillLayout
 from npu_worker.startup import ReportProgress, no_progress
 from schemas.control import PrefillChunk
 from schemas.registry import LaunchShapes
@@ -167,68 +168,19 @@ class LaunchRunner:
     def _prefill_inputs(
         self, chunks: list[PrefillChunk], token_ids: list[list[int]]
     ) -> LaunchInputs:
+        """A prefill launch's inputs: packed where the runner packs, else one chunk."""
+        layout = PrefillLayout(
+            self.prefill_chunk,
+            self.state.scratch_position,
+            self.backend.reads_in_place,
+            self.prefill_segments,
+            self.device,
+        )
         if self.packs:
-            return self._packed(chunks, token_ids)
+            return layout.packed(chunks, token_ids, self.span_for)
         if len(chunks) != 1:
             raise ValueError(f"this runner does not pack: {len(chunks)} chunks in one launch")
-        return self._single(chunks[0].slot, token_ids[0], chunks[0].start)
-
-    def _single(self, slot: int, token_ids: list[int], start: int) -> LaunchInputs:
-        """One request's chunk at its slot, read in place on eager backends."""
-        size = self.prefill_chunk
-        if not 0 < len(token_ids) <= size or start % size:
-            raise ValueError(f"bad prefill chunk: {len(token_ids)} tokens at start {start}")
-        padding = size - len(token_ids)  # padding tokens write the scratch position only
-        return LaunchInputs(
-            input_ids=self._tensor([token_ids + [0] * padding]),
-            positions=self._positions(start, len(token_ids), padding),
-            slot_ids=self._tensor([slot]),
-            logit_index=self._tensor([[len(token_ids) - 1]]),
-            span=start + size,
-            window_start=slot if self.backend.reads_in_place else None,
-        )
-
-    def _packed(self, chunks: list[PrefillChunk], token_ids: list[list[int]]) -> LaunchInputs:
-        """Several requests' chunks back to back, each token at its own slot and position."""
-        size, scratch = self.prefill_chunk, self.state.scratch_position
-        if not chunks or sum(len(t) for t in token_ids) > size:
-            raise ValueError(f"bad packed launch: {[len(t) for t in token_ids]} tokens")
-        ids: list[int] = []
-        positions: list[int] = []
-        owners: list[int] = []
-        ends: list[int] = []
-        for j, (chunk, tokens) in enumerate(zip(chunks, token_ids, strict=True)):
-            ids += tokens
-            positions += range(chunk.start, chunk.start + len(tokens))
-            owners += [j] * len(tokens)
-            ends.append(len(ids) - 1)
-        padding = size - len(ids)  # padding tokens: chunk 0's slot, the scratch position
-        slots = [c.slot for c in chunks]
-        chunk_ends = [c.start + c.num_tokens for c in chunks]
-        packed_keys = None
-        if self.backend.reads_in_place:  # eager: attend over exactly the chunks' keys
-            key_slots: list[int] = []
-            key_positions: list[int] = []
-            key_segments: list[int] = []
-            for j, (slot, end) in enumerate(zip(slots, chunk_ends, strict=True)):
-                key_slots += [slot] * end
-                key_positions += range(end)
-                key_segments += [j] * end
-            packed_keys = self._tensor([key_slots, key_positions, key_segments])
-        else:  # graph backends: a fixed number of segments
-            slots += [slots[0]] * (self.prefill_segments - len(slots))
-            ends += [0] * (self.prefill_segments - len(ends))
-        return LaunchInputs(
-            input_ids=self._tensor([ids + [0] * padding]),
-            positions=self._tensor([positions + [scratch] * padding]),
-            slot_ids=self._tensor(slots[:1]),
-            logit_index=self._tensor([ends]),
-            span=self.span_for(max(chunk_ends)),
-            window_start=None,
-            segment_slots=self._tensor(slots),
-            token_segments=self._tensor(owners + [0] * padding),
-            packed_keys=packed_keys,
-        )
+        return layout.single(chunks[0].slot, token_ids[0], chunks[0].start)
 
     # -- decode ---------------------------------------------------------------------------
 
@@ -367,11 +319,6 @@ class LaunchRunner:
         if rows == list(range(first, first + len(rows))):
             return logits[first : first + len(rows)]
         return logits[self._tensor(rows)]
-
-    def _positions(self, start: int, num_tokens: int, padding: int) -> torch.Tensor:
-        """[1, S] positions of a chunk's tokens, then its padding at the scratch position."""
-        scratch = self.state.scratch_position
-        return self._tensor([list(range(start, start + num_tokens)) + [scratch] * padding])
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -130,7 +130,7 @@ def test_exact_keys_and_whole_spans_side_by_side_give_the_same_launch(model) -> 
         PrefillChunk(slot=slot, start=start, num_tokens=len(ids))
         for slot, start, ids in zip((2, 5, 0), (150, 0, 0), token_ids)
     ]
-    exact = runner._packed(chunks, token_ids)
+    exact = runner._prefill_inputs(chunks, token_ids)
     assert exact.packed_keys is not None and exact.packed_keys.shape[1] == 180 + 40 + 20
     whole = dataclasses.replace(exact, packed_keys=None)
     with torch.no_grad():
