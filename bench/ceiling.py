@@ -1,9 +1,17 @@
-"""The workload ceiling: the launches a level's requests need, timed back to back at the
-kernel ceiling's speeds, as tokens per second. The pool can only approach it."""
+"""The ceilings the pool is measured against: the kernel ceiling (its launches back to back
+in a process of their own, `bench.kernels`) and the workload ceiling (the launches a
+level's requests need, timed back to back at the kernel ceiling's speeds, as tokens per
+second). The pool can only approach them."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from bench.loadgen import Workload
@@ -45,3 +53,39 @@ def burst_ideal_ms(kernels: dict[str, Any], workload: Workload, settings: Settin
     )
     prompt_tokens = sum(len(prompt) for prompt, _ in workload.requests())
     return prompt_tokens / chunk * prefill_ms / settings.ranks
+
+
+def worker_threads(settings: Settings) -> int:
+    """Torch threads a rank (and so each peer) gets: `(cores - 1) / ranks` unless set."""
+    cores = len(os.sched_getaffinity(0))
+    return settings.threads_per_rank or max(1, (cores - 1) // settings.ranks)
+
+
+def kernel_ceiling(settings: Settings) -> dict[str, Any]:
+    """The same launches back to back in a process of their own (`bench.kernels`)."""
+    out = Path(tempfile.mkdtemp()) / "kernels.json"
+    flags = [a for a in settings.service_args() if a != "--mtp"] + ["--no-mtp"]
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.kernels",
+            "--json",
+            str(out),
+            "--iters",
+            "100",
+            *flags,
+            "--threads-per-rank",
+            str(worker_threads(settings)),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    result = json.loads(out.read_text())
+    ceiling = result["ceiling"]
+    return {
+        "output_tokens_per_s_per_rank": ceiling["tokens_per_s"],
+        "output_tokens_per_s": ceiling["tokens_per_s"] * settings.ranks,
+        "ms_per_launch": ceiling["ms_per_launch"],
+        "launches": result["launches"],
+    }

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.vllm_bench import plot_vllm, print_vllm, vllm_ratios
+from bench.peers.vllm_bench import plot_vllm, print_vllm, vllm_ratios
 
 
 def ratios(report: dict[str, Any]) -> dict[str, float | None]:

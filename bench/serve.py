@@ -24,7 +24,7 @@ from typing import Any
 
 from rich.console import Console
 
-from bench.ceiling import burst_ideal_ms, workload_ceiling
+from bench.ceiling import burst_ideal_ms, kernel_ceiling, worker_threads, workload_ceiling
 from bench.http_load import (
     GatewayProcess,
     http_level,
@@ -33,10 +33,10 @@ from bench.http_load import (
     start_gateway,
 )
 from bench.loadgen import Trace, Workload, drive, redis_requests, run_workload, summarise
-from bench.peers import kernel_ceiling, offline_peer, rq_peer, worker_threads
+from bench.peers.transformers_peers import offline_peer, rq_peer
+from bench.peers.vllm_bench import burst_warm_up, burst_workload, vllm_peer
+from bench.peers.vllm_env import VllmPeer, VllmUnavailable, check_vllm_peer
 from bench.report import plot, print_report, ratios
-from bench.vllm_bench import burst_warm_up, burst_workload, vllm_peer
-from bench.vllm_env import VllmPeer, VllmUnavailable, check_vllm_peer
 from npu_pool.embedded import EmbeddedRedis
 from npu_pool.launcher import PoolProcesses
 from producer.client import Client

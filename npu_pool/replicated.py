@@ -1,4 +1,4 @@
-"""A replicated Redis on loopback, for the failover tests and `bench/soak.py
+"""A replicated Redis on loopback, for the failover tests and `bench/probes/soak.py
 --failover-every`: a primary, two replicas and three Sentinels, real `redis-server`
 processes (Debian's package; `redis-server --sentinel` runs a Sentinel), and the failures
 inflicted on the primary (kill -9, or a pause until a replica is promoted)."""

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def make_llama3m(out: Path) -> Path:
-    """Run the checkpoint builder as `bench/vllm_peer.sh` does."""
+    """Run the checkpoint builder as `bench/peers/vllm_peer.sh` does."""
     subprocess.run(
         [sys.executable, "-m", "npu_worker.weights.makers.llama3m", str(out)],
         check=True,
@@ -89,7 +89,7 @@ def test_bench_with_a_python_lacking_vllm_stops_before_the_pool_saying_what_to_b
     assert code == 2
     assert f"--vllm-python {sys.executable} cannot run vLLM (ModuleNotFoundError: " in err
     assert "No module named 'vllm'" in err
-    assert "bash bench/vllm_peer.sh" in err
+    assert "bash bench/peers/vllm_peer.sh" in err
 
 
 def test_bench_vllm_peer_needs_an_executable_and_a_model_directory(

@@ -1,7 +1,7 @@
 """Throughput of a 1-rank pool at one concurrency, and each process's share of a core.
 
-python bench/cpu_split.py --concurrency 1 --requests 40
-python bench/cpu_split.py --concurrency 64 --requests 320
+python -m bench.probes.cpu_split --concurrency 1 --requests 40
+python -m bench.probes.cpu_split --concurrency 64 --requests 320
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ seeded requests greedily; its tokens must be `transformers`' greedy tokens (up t
 its tokenizer must encode and decode a text as the pool's does; the pool's loader must load
 the checkpoint.
 
-    python bench/vllm_check.py --model DIR --vllm-python PATH
+    python -m bench.peers.vllm_check --model DIR --vllm-python PATH
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import transformers
 from tokenizers import Tokenizer
 
 from bench.loadgen import Workload
-from bench.vllm_bench import run_offline
-from bench.vllm_env import check_vllm_peer
+from bench.peers.vllm_bench import run_offline
+from bench.peers.vllm_env import check_vllm_peer
 from npu_worker.weights.loader import load_model
 from schemas.config import Settings
 

@@ -6,7 +6,7 @@ CPU with AVX-512; the default where the start-up probe finds them faster). Round
 between them so a noisy machine slows each alike; speed-ups are medians of the per-round
 ratios to the first.
 
-    python -m bench.launch_ab --model smollm2 --decode-batch 64 --contexts 256 1024
+    python -m bench.probes.launch_ab --model smollm2 --decode-batch 64 --contexts 256 1024
 
 A launch's rows sit at contexts spread evenly over [context / 2, context], as a live
 launch's rows differ in length.
@@ -81,7 +81,7 @@ def summary(times: dict[str, list[float]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Print each variant's median ms per launch and its speed-up over the first."""
-    parser = argparse.ArgumentParser(prog="python -m bench.launch_ab", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m bench.probes.launch_ab", description=__doc__)
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--decode-batch", type=int, default=64)
     parser.add_argument("--contexts", type=int, nargs="+", default=[256, 1024])

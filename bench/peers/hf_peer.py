@@ -4,8 +4,8 @@ checkpoint through Hugging Face `transformers` (installed with the `bench` extra
 - the queue-worker peer: one RQ job per request, an RQ worker calling `generate` per job;
 - the offline peer: `transformers` static-batch `generate` at a fixed batch size.
 
-    python -m bench.hf_peer offline --model DIR --batch 8 --prompt-len 64 --max-tokens 64
-    python -m bench.hf_peer rq-worker --redis-url URL --model DIR
+    python -m bench.peers.hf_peer offline --model DIR --batch 8 --prompt-len 64 --max-tokens 64
+    python -m bench.peers.hf_peer rq-worker --redis-url URL --model DIR
 """
 
 from __future__ import annotations

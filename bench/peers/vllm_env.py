@@ -1,7 +1,7 @@
 """The vLLM environment of `npu-pool bench --vllm-python`: checking it before the run, and
 the model, dtype and process environment vLLM gets.
 
-vLLM lives only in its own environment (`bench/vllm_peer.sh` builds one); the project runs
+vLLM lives only in its own environment (`bench/peers/vllm_peer.sh` builds one); the project runs
 that environment's Python and never imports vLLM.
 """
 
@@ -25,7 +25,7 @@ PROBE = (
     "print(json.dumps({'vllm': vllm.__version__, 'torch': torch.__version__,"
     " 'prefix': sys.prefix}))"
 )
-BUILD_HINT = "build an environment that can with `bash bench/vllm_peer.sh`"
+BUILD_HINT = "build an environment that can with `bash bench/peers/vllm_peer.sh`"
 KV_CACHE_GIB = 1  # vLLM's CPU KV cache: 1 GiB holds 262,144 tokens of the 3M checkpoint
 
 
@@ -94,7 +94,7 @@ def _model_dir(model: str) -> Path:
     if not (path / "config.json").is_file():
         raise VllmUnavailable(
             f"--vllm-python needs --model DIR, a Hugging Face model directory vLLM can read "
-            f"(such as the one `bash bench/vllm_peer.sh` writes), not {model!r}"
+            f"(such as the one `bash bench/peers/vllm_peer.sh` writes), not {model!r}"
         )
     return path.resolve()
 

@@ -9,9 +9,9 @@ result streams have expired (when `--result-ttl` is at most 600 s). With failove
 one's time from the failure to the first step the pool published on the new primary. Not
 part of CI:
 
-    python bench/soak.py --requests 3000 --kill-every 60 --json bench/out/soak.json
-    python bench/soak.py --requests 10000 --kill-every 0 --result-ttl 20   # memory soak
-    python bench/soak.py --requests 10000 --kill-every 0 --failover-every 60 --failovers 3
+    python -m bench.probes.soak --requests 3000 --kill-every 60 --json bench/out/soak.json
+    python -m bench.probes.soak --requests 10000 --kill-every 0 --result-ttl 20   # memory soak
+    python -m bench.probes.soak --requests 10000 --kill-every 0 --failover-every 60 --failovers 3
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 # Llama checkpoint, and a check that vLLM, transformers and the pool read that checkpoint alike.
 #
 #   . .venv/bin/activate            # the project's environment, with the bench extra
-#   bash bench/vllm_peer.sh         # then the `npu-pool bench ... --vllm-python ...` it prints
+#   bash bench/peers/vllm_peer.sh         # then the `npu-pool bench ... --vllm-python ...` it prints
 #
 # Settings (environment):
 #   VLLM_VENV       where the vLLM virtualenv goes       (default bench/out/vllm-venv)
@@ -54,7 +54,7 @@ print(f'vLLM {vllm.__version__}, torch {torch.__version__}: {vllm.__file__}')"
 if [ ! -f "$MODEL_DIR/config.json" ]; then
     python -m npu_worker.weights.makers.llama3m "$MODEL_DIR"
 fi
-python bench/vllm_check.py --model "$MODEL_DIR" --vllm-python "$VLLM_PY"
+python -m bench.peers.vllm_check --model "$MODEL_DIR" --vllm-python "$VLLM_PY"
 
 cat <<EOF
 

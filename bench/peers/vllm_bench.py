@@ -1,7 +1,7 @@
 """`npu-pool bench --vllm-python PATH`: vLLM's CPU build as a peer, measured after the pool in
 the same run, on the same checkpoint, the same seeded workloads and as many model threads.
 
-- `vllm_offline`: vLLM's offline engine (`bench/vllm_offline.py` under that Python) on
+- `vllm_offline`: vLLM's offline engine (`bench/peers/vllm_offline.py` under that Python) on
   the workload of the reference level (64 concurrent, or the highest level below it), at
   most that many requests at once: tokens/s of the whole workload and of its decode alone.
 - `vllm_http`: vLLM's OpenAI server under that Python, driven at every level by the client
@@ -27,7 +27,7 @@ import httpx
 
 from bench.http_load import run_http_workload
 from bench.loadgen import Workload, summarise
-from bench.vllm_env import VllmPeer
+from bench.peers.vllm_env import VllmPeer
 from schemas.config import Settings
 
 OFFLINE_SCRIPT = Path(__file__).with_name("vllm_offline.py")

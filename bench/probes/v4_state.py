@@ -2,7 +2,7 @@
 model's configuration (written here in its release terms and parsed as a checkpoint's
 `config.json` is), at a few `--max-model-len` values:
 
-    python -m bench.v4_state [--dtype-bytes 2] [--mtp]
+    python -m bench.probes.v4_state [--dtype-bytes 2] [--mtp]
 
 Layers (the release's `compress_ratios`): two sliding-window layers, then CSA (rate 4) and
 HCA (rate 128) alternating, 21 and 20 of them; the trailing 0 is the MTP block's.

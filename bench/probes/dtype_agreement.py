@@ -2,7 +2,7 @@
 `transformers` in float32 on the same GGUF, over the SmolLM2 parity prompts
 (tests/test_smollm2.py), for each dtype asked for.
 
-    python -m bench.dtype_agreement [--dtypes float32 bfloat16] [--max-tokens 64]
+    python -m bench.probes.dtype_agreement [--dtypes float32 bfloat16] [--max-tokens 64]
 
 Two figures per dtype: the greedy prefix (tokens generated before the first that differs
 from the reference's) and the teacher-forced agreement (fed the reference's tokens, the
@@ -81,7 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     """Print (and with --json write) each dtype's agreement with float32 `transformers`."""
     import transformers
 
-    parser = argparse.ArgumentParser(prog="python -m bench.dtype_agreement", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.probes.dtype_agreement", description=__doc__
+    )
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--json", default=None, help="write the figures here")

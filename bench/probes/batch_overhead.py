@@ -1,7 +1,7 @@
 """What a batch job costs over feeding the pool directly: the same requests, the same number
 in flight, once as an RQ batch job (`npu-pool batch`) and once from a plain client loop.
 
-python bench/batch_overhead.py --lines 400 --window 32 --max-tokens 32
+python -m bench.probes.batch_overhead --lines 400 --window 32 --max-tokens 32
 """
 
 from __future__ import annotations

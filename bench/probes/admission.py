@@ -2,7 +2,7 @@
 primary, two replicas, three Sentinels), with `--min-replicas-ack 0` and 1 in alternating
 rounds, the first `--warm-up` calls of each round left out. Not part of CI:
 
-    python bench/admission.py --calls 600 --rounds 2
+    python -m bench.probes.admission --calls 600 --rounds 2
 """
 
 from __future__ import annotations

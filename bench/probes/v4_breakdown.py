@@ -1,6 +1,6 @@
 """Where a DeepSeek-V4 launch spends its time, by part, on one CPU thread:
 
-    python -m bench.v4_breakdown DIR [--decode-batch 8] [--prefill-chunk 128] [--launches 40]
+    python -m bench.probes.v4_breakdown DIR [--decode-batch 8] [--prefill-chunk 128] [--launches 40]
 
 Times B`decode_batch`S1 decode launches (every row `--context` tokens in) and B1S`chunk`
 prefill launches of the checkpoint in DIR through the runner, with wall-clock timers

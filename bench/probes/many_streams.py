@@ -4,7 +4,7 @@ process held at once (sampled from the server), whether every stream came whole 
 order, and what decoding the chunks through pydantic costs against the process's CPU time.
 Not part of CI; `tests/test_streams.py` runs it at full size.
 
-    python bench/many_streams.py --streams 10000 --json bench/out/many_streams.json
+    python -m bench.probes.many_streams --streams 10000 --json bench/out/many_streams.json
 """
 
 from __future__ import annotations

@@ -1,56 +1,18 @@
-"""The kernel ceiling and the transformers peers of `npu-pool bench`, each run in a process
+"""The `transformers` peers of `npu-pool bench`, offline and behind RQ, each run in a process
 of its own with the threads a rank gets (this process never imports torch)."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
+from bench.ceiling import worker_threads
 from bench.loadgen import Workload
 from schemas.config import Settings
-
-
-def worker_threads(settings: Settings) -> int:
-    """Torch threads a rank (and so each peer) gets: `(cores - 1) / ranks` unless set."""
-    cores = len(os.sched_getaffinity(0))
-    return settings.threads_per_rank or max(1, (cores - 1) // settings.ranks)
-
-
-def kernel_ceiling(settings: Settings) -> dict[str, Any]:
-    """The same launches back to back in a process of their own (`bench.kernels`)."""
-    out = Path(tempfile.mkdtemp()) / "kernels.json"
-    flags = [a for a in settings.service_args() if a != "--mtp"] + ["--no-mtp"]
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "bench.kernels",
-            "--json",
-            str(out),
-            "--iters",
-            "100",
-            *flags,
-            "--threads-per-rank",
-            str(worker_threads(settings)),
-        ],
-        check=True,
-        capture_output=True,
-    )
-    result = json.loads(out.read_text())
-    ceiling = result["ceiling"]
-    return {
-        "output_tokens_per_s_per_rank": ceiling["tokens_per_s"],
-        "output_tokens_per_s": ceiling["tokens_per_s"] * settings.ranks,
-        "ms_per_launch": ceiling["ms_per_launch"],
-        "launches": result["launches"],
-    }
 
 
 def rq_peer(
@@ -69,7 +31,7 @@ def rq_peer(
             [
                 sys.executable,
                 "-m",
-                "bench.hf_peer",
+                "bench.peers.hf_peer",
                 "rq-worker",
                 "--redis-url",
                 url,
@@ -84,13 +46,13 @@ def rq_peer(
         for _ in range(settings.ranks)
     ]
     try:
-        warm = queue.enqueue("bench.hf_peer.rq_generate", model_dir, [5, 6], 2)
+        warm = queue.enqueue("bench.peers.hf_peer.rq_generate", model_dir, [5, 6], 2)
         _wait_jobs([warm], timeout_s=600)
         workload = Workload(num_requests, tuple(args.prompt_len), tuple(args.output_len), seed=0)
         started = time.monotonic()
         jobs = [
             queue.enqueue(
-                "bench.hf_peer.rq_generate", model_dir, prompt, max_tokens, job_timeout=3600
+                "bench.peers.hf_peer.rq_generate", model_dir, prompt, max_tokens, job_timeout=3600
             )
             for prompt, max_tokens in workload.requests()
         ]
@@ -128,7 +90,7 @@ def offline_peer(settings: Settings, args: argparse.Namespace) -> dict[str, Any]
         [
             sys.executable,
             "-m",
-            "bench.hf_peer",
+            "bench.peers.hf_peer",
             "offline",
             "--model",
             settings.model,

@@ -3,7 +3,7 @@
 Run by the Python of a vLLM environment, as a file (it imports nothing of this project, and
 the project never imports vLLM):
 
-    VLLM_PYTHON -P bench/vllm_offline.py --model DIR --workload FILE --out FILE [flags]
+    VLLM_PYTHON -P bench/peers/vllm_offline.py --model DIR --workload FILE --out FILE [flags]
 
 (`-P`: this file's directory holds modules, such as `requests.py`, that would shadow
 vLLM's own imports.)
