@@ -5,7 +5,7 @@ from __future__ import annotations
 from batcher.intake import Tracked
 from batcher.scheduler import StepPlan
 from schemas.config import Settings
-from schemas.control import NewRequest, PrefillChunk, RankStepPlan, SlotStop
+from schemas.control import NewRequest, RankStepPlan, SlotStop
 
 
 def rank_plans(
@@ -45,10 +45,7 @@ def rank_plans(
         for rank, rows in launch.items():
             for_rank(rank).decode_launches.append([seq.slot for seq in rows])
     for rank, launches in plan.prefill.items():
-        for_rank(rank).prefill.extend(
-            [PrefillChunk(slot=c.slot, start=c.start, num_tokens=c.num_tokens) for c in launch]
-            for launch in launches
-        )
+        for_rank(rank).prefill.extend(launches)
     for stop in plan.stops:
         for_rank(stop.seq.rank).stops.append(
             SlotStop(

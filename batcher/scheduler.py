@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from schemas.control import PREEMPTED
+from schemas.control import PREEMPTED, PrefillChunk
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,16 +92,6 @@ class Sequence:
 
 
 @dataclass(slots=True)
-class PrefillWork:
-    """One request's segment of a prefill launch: its tokens [start, start + num_tokens)."""
-
-    request_id: str
-    slot: int
-    start: int
-    num_tokens: int
-
-
-@dataclass(slots=True)
 class PlannedStop:
     """A running request its rank must end by this step: why (a finish reason, or
     `preempted`: give the slot back and resume later)."""
@@ -118,7 +108,7 @@ class StepPlan:
     preempted: list[Sequence] = field(default_factory=list)
     stops: list[PlannedStop] = field(default_factory=list)  # the preempted ones included
     decode_launches: list[dict[int, list[Sequence]]] = field(default_factory=list)
-    prefill: dict[int, list[list[PrefillWork]]] = field(default_factory=dict)  # launches
+    prefill: dict[int, list[list[PrefillChunk]]] = field(default_factory=dict)  # launches
 
     @property
     def is_empty(self) -> bool:
@@ -346,22 +336,22 @@ def _plan_decode(
 
 def _plan_prefill(
     by_rank: dict[int, list[Sequence]], config: PlannerConfig
-) -> dict[int, list[list[PrefillWork]]]:
+) -> dict[int, list[list[PrefillChunk]]]:
     """Up to `prefill_slots` launches per rank of up to `prefill_chunk` tokens each, filled
     most urgent request first. Packed, a launch holds segments of several requests back to
     back (a long prompt's last part shares its launch with the next prompts); unpacked, one
     request's chunk. An empty launch is a lockstep dummy."""
-    prefill: dict[int, list[list[PrefillWork]]] = {}
+    prefill: dict[int, list[list[PrefillChunk]]] = {}
     per_launch = config.prefill_segments if config.pack_prefill else 1
     for rank, seqs in by_rank.items():
         pending = sorted((s for s in seqs if s.wants_prefill), key=lambda s: (-s.urgency, s.order))
-        launches: list[list[PrefillWork]] = []
+        launches: list[list[PrefillChunk]] = []
         while pending and len(launches) < config.prefill_slots:
-            room, launch = config.prefill_chunk, list[PrefillWork]()
+            room, launch = config.prefill_chunk, list[PrefillChunk]()
             while pending and room and len(launch) < per_launch:
                 seq = pending[0]
                 num_tokens = min(room, seq.num_prompt_tokens - seq.num_prefilled)
-                launch.append(PrefillWork(seq.request_id, seq.slot, seq.num_prefilled, num_tokens))
+                launch.append(PrefillChunk(seq.slot, seq.num_prefilled, num_tokens, seq.request_id))
                 seq.num_prefilled += num_tokens
                 room -= num_tokens
                 if seq.is_prefilled:

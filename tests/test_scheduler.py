@@ -10,14 +10,14 @@ import pytest
 from batcher.scheduler import (
     PlannerConfig,
     PoolState,
-    PrefillWork,
     Sequence,
     StepPlan,
     finish,
     plan_step,
 )
+from schemas.control import PrefillChunk
 
-DUMMY: list[PrefillWork] = []  # a lockstep filler launch
+DUMMY: list[PrefillChunk] = []  # a lockstep filler launch
 
 
 def make_config(**overrides: float | bool | None) -> PlannerConfig:
@@ -186,13 +186,17 @@ def test_packed_prefill_fills_each_launch_with_the_next_prompts_back_to_back() -
     submit(state, 200, 40, 30, 20, 10)
     plan = plan_step(state)
     assert plan.prefill[0] == [
-        [PrefillWork("r0", 0, 0, 128)],
-        [PrefillWork("r0", 0, 128, 72), PrefillWork("r1", 1, 0, 40), PrefillWork("r2", 2, 0, 16)],
+        [PrefillChunk(0, 0, 128, "r0")],
+        [
+            PrefillChunk(0, 128, 72, "r0"),
+            PrefillChunk(1, 0, 40, "r1"),
+            PrefillChunk(2, 0, 16, "r2"),
+        ],
     ]
     assert [w for launch in plan_step(state).prefill[0] for w in launch] == [
-        PrefillWork("r2", 2, 16, 14),
-        PrefillWork("r3", 3, 0, 20),
-        PrefillWork("r4", 4, 0, 10),
+        PrefillChunk(2, 16, 14, "r2"),
+        PrefillChunk(3, 0, 20, "r3"),
+        PrefillChunk(4, 0, 10, "r4"),
     ]
     assert all(s.is_prefilled and s.num_planned_tokens >= 1 for s in state.running.values())
 
@@ -201,7 +205,7 @@ def test_request_completing_its_prompt_does_not_decode_in_the_same_step() -> Non
     state = make_state()
     (seq,) = submit(state, 100)
     first = plan_step(state)
-    assert (first.decode_launches, first.prefill) == ([], {0: [[PrefillWork("r0", 0, 0, 100)]]})
+    assert (first.decode_launches, first.prefill) == ([], {0: [[PrefillChunk(0, 0, 100, "r0")]]})
     assert seq.num_planned_tokens == 1
     second = plan_step(state)
     assert (launch_ids(second), second.prefill, seq.num_planned_tokens) == ([{0: ["r0"]}], {}, 2)
@@ -228,9 +232,9 @@ def test_long_prompt_is_prefilled_in_chunks_over_several_steps() -> None:
         (launch,) = plan.prefill[0]
         chunks += launch
     assert chunks == [
-        PrefillWork("r0", 0, 0, 128),
-        PrefillWork("r0", 0, 128, 128),
-        PrefillWork("r0", 0, 256, 44),
+        PrefillChunk(0, 0, 128, "r0"),
+        PrefillChunk(0, 128, 128, "r0"),
+        PrefillChunk(0, 256, 44, "r0"),
     ]
     assert (seq.num_prefilled, seq.num_planned_tokens) == (300, 1)
 
@@ -240,10 +244,10 @@ def test_prefill_takes_at_most_prefill_slots_chunks_per_rank_oldest_first() -> N
     for slot, order in [(0, 3), (1, 2), (2, 0), (3, 1)]:
         place(state, f"o{order}", rank=0, slot=slot, prefilled=False, order=order)
     first = plan_step(state)
-    assert first.prefill == {0: [[PrefillWork("o0", 2, 0, 10)], [PrefillWork("o1", 3, 0, 10)]]}
+    assert first.prefill == {0: [[PrefillChunk(2, 0, 10, "o0")], [PrefillChunk(3, 0, 10, "o1")]]}
     plan = plan_step(state)
     assert launch_ids(plan) == [{0: ["o0", "o1"]}]
-    assert plan.prefill == {0: [[PrefillWork("o2", 1, 0, 10)], [PrefillWork("o3", 0, 0, 10)]]}
+    assert plan.prefill == {0: [[PrefillChunk(1, 0, 10, "o2")], [PrefillChunk(0, 0, 10, "o3")]]}
 
 
 def test_decode_stops_once_planned_tokens_reach_max_new_tokens() -> None:
@@ -268,9 +272,9 @@ def make_mixed_pool(*, lockstep: bool) -> PoolState:
     return state
 
 
-PREFILL_P0 = [PrefillWork("p0", 0, 0, 10)]
-PREFILL_P1 = [PrefillWork("p1", 1, 0, 10)]
-PREFILL_P2 = [PrefillWork("p2", 0, 0, 10)]
+PREFILL_P0 = [PrefillChunk(0, 0, 10, "p0")]
+PREFILL_P1 = [PrefillChunk(1, 0, 10, "p1")]
+PREFILL_P2 = [PrefillChunk(0, 0, 10, "p2")]
 
 
 def test_without_lockstep_idle_ranks_get_no_launches() -> None:
