@@ -37,7 +37,7 @@ def rank_plans(
                 sampling=entry.request.sampling,
                 start_index=len(entry.resumed_ids),
                 start_seq=entry.start_seq,
-                admission=entry.admission,
+                admission=seq.admission,
                 result_ttl_s=entry.ttl_s(settings.result_ttl_s),
             )
         )
@@ -52,7 +52,7 @@ def rank_plans(
                 slot=stop.seq.slot,
                 request_id=stop.seq.request_id,
                 finish_reason=stop.reason,
-                admission=tracked[stop.seq.request_id].admission,
+                admission=stop.seq.admission,
             )
         )
     if ranks is not None and plan.is_empty and not plan.admitted:

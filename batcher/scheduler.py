@@ -3,7 +3,8 @@ no I/O, no torch.
 
 `plan_step` admits waiting requests, packs decode rows and prefill chunks onto the fixed
 launches, and lists the running requests their ranks must end (stopped or preempted);
-`finish`, `stop`, `lose_rank` and `join_rank` apply what happened since.
+`finish`, `stop`, `lose_rank` and `join_rank` apply what happened since, and
+`outcomes.apply_result` what a step's result did.
 """
 
 from __future__ import annotations
@@ -65,6 +66,9 @@ class Sequence:
     stopping: bool = False  # cancelled, timed out or preempted: plan nothing more for it
     preempting: bool = False  # its rank is told to give its slot back to a more urgent one
     isolated: bool = False  # a suspect (ranks died holding it): it runs alone on a rank
+    # which admission of the request this is, counted by the book each time it queues:
+    # its rank's outcomes name it, and outcomes of an earlier one are stale
+    admission: int = 0
 
     @property
     def is_admitted(self) -> bool:
