@@ -3,6 +3,7 @@ no I/O, no torch.
 
 `plan_step` admits waiting requests, packs decode rows and prefill chunks onto the fixed
 launches, and lists the running requests their ranks must end (stopped or preempted);
+`preempt_threshold` says which queued entries would preempt, for the batcher's intake;
 `finish`, `stop`, `lose_rank` and `join_rank` apply what happened since, and
 `outcomes.apply_result` what a step's result did.
 """
@@ -242,25 +243,39 @@ def _admit(state: PoolState) -> list[Sequence]:
     return admitted
 
 
+def preempt_threshold(state: PoolState) -> float | None:
+    """The urgency a request yet to be queued must exceed to preempt one that runs: with
+    nothing waiting and no room left, the least urgent victim's plus the margin (None:
+    it would be admitted, or could preempt nothing)."""
+    margin = state.config.preempt_margin
+    if margin is None or state.waiting or state.room() > 0:
+        return None
+    victims = _victims(state)
+    return victims[0].urgency + margin if victims else None
+
+
 def _preempt(state: PoolState) -> list[Sequence]:
     """With no room left, the least urgent running requests whose urgency a waiting one
     exceeds by the margin give their slots back (one per waiting request)."""
     margin = state.config.preempt_margin
     if margin is None or not state.waiting:
         return []
-    running = state.running.values()
-    pending = sum(1 for s in running if s.preempting)
-    victims = sorted(
-        (s for s in running if not s.stopping and s.rank in state.ranks),
-        key=lambda s: (s.urgency, -s.order),
-    )
+    pending = sum(1 for s in state.running.values() if s.preempting)
     preempted: list[Sequence] = []
-    for head, victim in zip(state.waiting[pending:], victims):
+    for head, victim in zip(state.waiting[pending:], _victims(state)):
         if head.urgency <= victim.urgency + margin:
             break
         victim.stopping = victim.preempting = True
         preempted.append(victim)
     return preempted
+
+
+def _victims(state: PoolState) -> list[Sequence]:
+    """Running requests that could give their slot back, least urgent (then newest) first."""
+    return sorted(
+        (s for s in state.running.values() if not s.stopping and s.rank in state.ranks),
+        key=lambda s: (s.urgency, -s.order),
+    )
 
 
 def _pick_rank(state: PoolState, isolated: bool) -> int | None:

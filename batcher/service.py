@@ -46,6 +46,7 @@ from batcher.scheduler import (
     join_rank,
     lose_rank,
     plan_step,
+    preempt_threshold,
 )
 from schemas.config import Settings, add_settings_flags, settings_from_args
 from schemas.connection import connect, reset_connections
@@ -368,12 +369,9 @@ class Batcher:
         if wanted <= 0 and now - self.last_intake < FULL_POOL_POLL_S:
             return  # a full pool only looks for excess entries and preemptions now and then
         self.last_intake = now
-        threshold, extra = float("inf"), 0
-        margin = self.state.config.preempt_margin
-        running = [s for s in self.state.running.values() if not s.stopping]
-        if wanted <= 0 and margin is not None and running and not self.state.waiting:
-            threshold, extra = min(s.urgency for s in running) + margin, 1
-        reply = self.queue.read(max(0, wanted), self.book.limits["max_queue"], threshold, extra)
+        threshold = preempt_threshold(self.state)
+        preempting = (float("inf"), 0) if threshold is None else (threshold, 1)
+        reply = self.queue.read(max(0, wanted), self.book.limits["max_queue"], *preempting)
         self.queue_depth = reply.depth
         self.book.reject_excess(reply.excess)
         if reply.deliveries:

@@ -3,6 +3,7 @@ test_scheduler_properties)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import fields
 
 import pytest
@@ -14,6 +15,8 @@ from batcher.scheduler import (
     StepPlan,
     finish,
     plan_step,
+    preempt_threshold,
+    stop,
 )
 from schemas.control import PrefillChunk
 
@@ -157,6 +160,39 @@ def test_no_preemption_within_the_margin_or_when_disabled() -> None:
         submit(state, 10, first=1, urgency=urgency)
         plan = plan_step(state)
         assert (plan.admitted, plan.preempted) == ([], [])
+
+
+def full_pool(margin: float | None = 3.0) -> PoolState:
+    """Two running requests (r0 at urgency 1.0, r1 at 0.5) and no room for a third."""
+    state = make_state(max_num_seqs=2, preempt_margin=margin)
+    submit(state, 10, urgency=1.0)
+    submit(state, 10, first=1, urgency=0.5)
+    plan_step(state)
+    return state
+
+
+def test_a_queued_request_preempts_exactly_when_it_is_over_the_preempt_threshold() -> None:
+    assert preempt_threshold(full_pool()) == 3.5  # the least urgent running, plus the margin
+    for urgency, preempted in [(3.5, []), (math.nextafter(3.5, math.inf), ["r1"])]:
+        state = full_pool()
+        submit(state, 10, first=2, urgency=urgency)
+        assert ids(plan_step(state).preempted) == preempted
+
+
+def test_no_preempt_threshold_with_room_something_waiting_no_victim_or_no_margin() -> None:
+    roomy = make_state(max_num_seqs=3, preempt_margin=3.0)
+    submit(roomy, 10, 10)
+    plan_step(roomy)
+    waiting = full_pool()
+    submit(waiting, 10, first=2)
+    stopping = full_pool()
+    for request_id in ("r0", "r1"):
+        stop(stopping, request_id, "cancelled")
+    for state in (roomy, waiting, stopping, full_pool(margin=None)):
+        assert preempt_threshold(state) is None
+    one_left = full_pool()
+    stop(one_left, "r1", "cancelled")
+    assert preempt_threshold(one_left) == 4.0
 
 
 def test_an_isolated_request_waits_for_an_empty_rank_and_then_runs_alone() -> None:
