@@ -17,8 +17,10 @@ def rank_plans(
     ranks: set[int] | None = None,
 ) -> list[RankStepPlan]:
     """Per-rank messages for the live `ranks` (None: those the plan names); a request's
-    prompt and sampling travel once, when it is admitted. A plan that runs nothing and
-    admits nothing (the fence that opens an epoch, or stops alone) goes to every live rank."""
+    prompt and sampling travel once, when it is admitted. A fence, and a plan that runs
+    nothing and admits nothing (stops alone), goes to every live rank."""
+    if plan.fence and ranks is None:
+        raise ValueError("a fence goes to every live rank: pass `ranks`")
     plans: dict[int, RankStepPlan] = {}
 
     def for_rank(rank: int) -> RankStepPlan:
@@ -55,7 +57,7 @@ def rank_plans(
                 admission=stop.seq.admission,
             )
         )
-    if ranks is not None and plan.is_empty and not plan.admitted:
+    if ranks is not None and (plan.fence or (plan.is_empty and not plan.admitted)):
         for rank in ranks:
             for_rank(rank)
     return [plans[r] for r in sorted(plans) if ranks is None or r in ranks]

@@ -107,13 +107,17 @@ class PlannedStop:
 
 @dataclass(slots=True)
 class StepPlan:
-    """A whole pool's step: launch k of `decode_launches` maps rank -> its rows' slots."""
+    """A whole pool's step: launch k of `decode_launches` maps rank -> its rows' slots.
+
+    A `fence` opens an epoch: it goes to every live rank, which finishes what earlier
+    epochs sent and drops it; the batcher sends one, empty, before any other step."""
 
     admitted: list[Sequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     stops: list[PlannedStop] = field(default_factory=list)  # the preempted ones included
     decode_launches: list[dict[int, list[Sequence]]] = field(default_factory=list)
     prefill: dict[int, list[list[PrefillChunk]]] = field(default_factory=dict)  # launches
+    fence: bool = False
 
     @property
     def is_empty(self) -> bool:
@@ -122,8 +126,9 @@ class StepPlan:
 
     @property
     def is_idle(self) -> bool:
-        """True when the step would tell no rank anything: no launch, nothing to end."""
-        return self.is_empty and not self.stops and not self.admitted
+        """True when the step would tell no rank anything: no launch, nothing to end, no
+        fence."""
+        return self.is_empty and not self.stops and not self.admitted and not self.fence
 
 
 @dataclass(slots=True)

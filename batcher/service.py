@@ -236,7 +236,7 @@ class Batcher:
         self._set_state(BatcherState.STARTING)
         self._wait_for_ranks()
         self.regroup = False  # the ranks that joined while waiting form this epoch's group
-        self._dispatch(StepPlan())  # the fence: ranks drop state of earlier epochs
+        self._dispatch(StepPlan(fence=True))
         while self.channel.inflight and not self.stopping:
             self._collect(block_ms=200)
             self._poll_ranks()
