@@ -82,7 +82,15 @@ class Batcher:
         )
         self.state = self._new_state()
         self.book = RequestBook(self.redis, self.keys, settings, self.state, self.metrics)
-        self._reset()
+        self.registry = self._new_registry()
+        self.queue = QueueReader(self.redis, self.keys, self.pool, settings.priority_aging_s)
+        self.channel = self._new_channel()
+        self.epoch = 0
+        self.primary: tuple[str, int] | None = None  # behind Sentinels: this epoch's primary
+        self.step = 0
+        self.regroup = False  # set when the expert-parallel group must re-form
+        self.last_housekeeping = 0.0
+        self.last_intake = 0.0
         if self.metrics is not None:
             serve_metrics(settings.metrics_port, self.metrics.registry)
 
@@ -110,20 +118,26 @@ class Batcher:
         )
         return PoolState(config, live_ranks=set())
 
-    def _reset(self) -> None:
-        """A new epoch's planner state, registry view, queue reader and step channel."""
+    def _new_registry(self) -> RankRegistry:
         s = self.settings
-        self.state = self._new_state()
-        self.book.new_epoch(self.state)
-        self.registry = RankRegistry(
+        return RankRegistry(
             self.redis, self.keys, self.pool, s.ranks, s.rank_timeout_s, s.launch_shapes()
         )
-        self.queue = QueueReader(self.redis, self.keys, self.pool, s.priority_aging_s)
-        self.channel = StepChannel(
-            self.redis, self.keys, self.pool, self.registry, s.max_inflight_steps
+
+    def _new_channel(self) -> StepChannel:
+        return StepChannel(
+            self.redis, self.keys, self.pool, self.registry, self.settings.max_inflight_steps
         )
+
+    def _reset(self) -> None:
+        """A new epoch's planner state, registry view, queue reader and step channel."""
+        self.state = self._new_state()
+        self.book.new_epoch(self.state)
+        self.registry = self._new_registry()
+        self.queue = QueueReader(self.redis, self.keys, self.pool, self.settings.priority_aging_s)
+        self.channel = self._new_channel()
         self.epoch = 0
-        self.primary: tuple[str, int] | None = None  # behind Sentinels: this epoch's primary
+        self.primary = None
         self.step = 0
         self.regroup = False
         self.last_housekeeping = 0.0
