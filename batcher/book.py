@@ -2,8 +2,9 @@
 
 The book validates entries (dead-lettering or rejecting bad ones), resumes requests after
 what their result streams already hold, ends the ones no rank needs to finish (cancelled,
-timed out, out of budget, already final), and applies what ranks report. It owns the
-pool's counters (`PoolCounts`), which outlive its epochs.
+timed out, out of budget, already final), and writes what ranks report once the planner's
+half (`outcomes.apply_result`) has applied it to the pool state. It owns the pool's
+counters (`PoolCounts`), which outlive its epochs.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from batcher.intake import (
     write_dead_letter,
 )
 from batcher.metrics import BatcherMetrics
+from batcher.outcomes import apply_result
 from batcher.scheduler import PoolState, StepPlan, finish, stop
 from schemas.codec import DeadLetter, Rejected, request_id_of
 from schemas.config import Settings
@@ -172,7 +174,6 @@ class RequestBook:
             tracked.seq = make_sequence(
                 tracked, order, self.settings.max_model_len, self.settings.priority_aging_s
             )
-            tracked.admission += 1
             reason, error = self._end_now(tracked, cancel_score is not None, now_ms)
             if reason is not None:
                 end_by_batcher(
@@ -216,6 +217,10 @@ class RequestBook:
     def forget(self, tracked: Tracked, pipe: redis.client.Pipeline) -> None:
         """Drop a request whose final chunk is written, and settle its entry."""
         finish(self.state, tracked.request_id)
+        self._settle_finished(tracked, pipe)
+
+    def _settle_finished(self, tracked: Tracked, pipe: redis.client.Pipeline) -> None:
+        """Settle the entry of a request the planner no longer holds, and stop tracking it."""
         self.tracked.pop(tracked.request_id, None)
         if self.metrics is not None:
             self.metrics.forget(tracked.request_id)
@@ -247,30 +252,20 @@ class RequestBook:
             self.stop(request_id, FinishReason.TIMEOUT)
 
     def apply(self, result: StepResult, pipe: redis.client.Pipeline) -> None:
-        """Count a rank's step and tokens, settle what finished, resume what it lost."""
+        """Count a rank's step and tokens, settle what finished, resume what it lost or gave
+        back (the planner's state has applied the result already: `apply_result`)."""
         self.counts.add_step(result.counts)
-        lost: list[Tracked] = []
-        released: list[Tracked] = []
-        for outcome in result.outcomes:
-            tracked = self.tracked.get(outcome.request_id)
-            if (
-                tracked is None
-                or tracked.seq is None
-                or tracked.seq.rank != result.rank
-                or outcome.admission != tracked.admission
-            ):
-                continue
+        applied = apply_result(self.state, result)
+        for request_id, num_new in applied.num_new_tokens.items():
+            tracked = self.tracked[request_id]
             if self.metrics is not None:
-                self.metrics.tokens(tracked, outcome.num_new_tokens)
-            tracked.num_published += outcome.num_new_tokens
-            self.counts.tokens += outcome.num_new_tokens
-            if outcome.lost or outcome.released:
-                seq = finish(self.state, outcome.request_id)
-                (released if outcome.released else lost).append(tracked)
-                self.counts.preempted += int(seq is not None and seq.preempting)
-            elif outcome.finish_reason is not None:
-                self.forget(tracked, pipe)
-        self.requeue(lost + released)
+                self.metrics.tokens(tracked, num_new)
+            tracked.num_published += num_new
+            self.counts.tokens += num_new
+        self.counts.preempted += applied.num_preempted
+        for request_id in applied.finished:
+            self._settle_finished(self.tracked[request_id], pipe)
+        self.requeue([self.tracked[request_id] for request_id in applied.lost + applied.released])
 
     def reject_excess(self, excess: list[Delivery]) -> None:
         """End entries past the namespace's bound (they bypassed admission) `queue_full`."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from batcher.intake import Tracked
 from batcher.scheduler import StepPlan
 from schemas.config import Settings
-from schemas.control import NewRequest, PrefillChunk, RankStepPlan, SlotStop
+from schemas.control import NewRequest, RankStepPlan, SlotStop
 
 
 def rank_plans(
@@ -17,8 +17,10 @@ def rank_plans(
     ranks: set[int] | None = None,
 ) -> list[RankStepPlan]:
     """Per-rank messages for the live `ranks` (None: those the plan names); a request's
-    prompt and sampling travel once, when it is admitted. A plan that runs nothing and
-    admits nothing (the fence that opens an epoch, or stops alone) goes to every live rank."""
+    prompt and sampling travel once, when it is admitted. A fence, and a plan that runs
+    nothing and admits nothing (stops alone), goes to every live rank."""
+    if plan.fence and ranks is None:
+        raise ValueError("a fence goes to every live rank: pass `ranks`")
     plans: dict[int, RankStepPlan] = {}
 
     def for_rank(rank: int) -> RankStepPlan:
@@ -37,7 +39,7 @@ def rank_plans(
                 sampling=entry.request.sampling,
                 start_index=len(entry.resumed_ids),
                 start_seq=entry.start_seq,
-                admission=entry.admission,
+                admission=seq.admission,
                 result_ttl_s=entry.ttl_s(settings.result_ttl_s),
             )
         )
@@ -45,20 +47,17 @@ def rank_plans(
         for rank, rows in launch.items():
             for_rank(rank).decode_launches.append([seq.slot for seq in rows])
     for rank, launches in plan.prefill.items():
-        for_rank(rank).prefill.extend(
-            [PrefillChunk(slot=c.slot, start=c.start, num_tokens=c.num_tokens) for c in launch]
-            for launch in launches
-        )
+        for_rank(rank).prefill.extend(launches)
     for stop in plan.stops:
         for_rank(stop.seq.rank).stops.append(
             SlotStop(
                 slot=stop.seq.slot,
                 request_id=stop.seq.request_id,
                 finish_reason=stop.reason,
-                admission=tracked[stop.seq.request_id].admission,
+                admission=stop.seq.admission,
             )
         )
-    if ranks is not None and plan.is_empty and not plan.admitted:
+    if ranks is not None and (plan.fence or (plan.is_empty and not plan.admitted)):
         for rank in ranks:
             for_rank(rank)
     return [plans[r] for r in sorted(plans) if ranks is None or r in ranks]

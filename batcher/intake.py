@@ -44,11 +44,10 @@ class Tracked:
     times_delivered: int = 1  # deliveries so far: reads, claims and lost ranks
     rank_deaths: int = 0  # ranks that died holding it, in this batcher's time
     payload: bytes = b""  # the entry's field `m`, for a dead letter
-    seq: Sequence | None = None
+    seq: Sequence | None = None  # the planner's view, new (its next admission) at each queueing
     resumed_ids: list[int] = field(default_factory=list)
     start_seq: int = 0
-    num_published: int = 0
-    admission: int = 0  # bumped each time it re-enters the queue; outcomes must match it
+    num_published: int = 0  # tokens its ranks reported in this epoch (for the TTFT metric)
     stop_reason: FinishReason | None = None
 
     @property
@@ -125,7 +124,8 @@ def _render_chat(
 
 
 def make_sequence(tracked: Tracked, order: int, max_model_len: int, aging_s: float) -> Sequence:
-    """The planner's view of a request, resuming after any tokens already published."""
+    """The planner's view of a request as it (re-)enters the queue, resuming after any
+    tokens already published: its next admission."""
     request = tracked.request
     num_context = len(tracked.prompt_ids) + len(tracked.resumed_ids)
     max_new = min(
@@ -136,6 +136,7 @@ def make_sequence(tracked: Tracked, order: int, max_model_len: int, aging_s: flo
         request.id, num_context, max_new, order, rank_by, priority_class(request.priority)
     )
     seq.isolated = tracked.rank_deaths >= SUSPECT_AFTER_DEATHS
+    seq.admission = tracked.seq.admission + 1 if tracked.seq is not None else 1
     return seq
 
 

@@ -3,14 +3,16 @@ no I/O, no torch.
 
 `plan_step` admits waiting requests, packs decode rows and prefill chunks onto the fixed
 launches, and lists the running requests their ranks must end (stopped or preempted);
-`finish`, `stop`, `lose_rank` and `join_rank` apply what happened since.
+`preempt_threshold` says which queued entries would preempt, for the batcher's intake;
+`finish`, `stop`, `lose_rank` and `join_rank` apply what happened since, and
+`outcomes.apply_result` what a step's result did.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from schemas.control import PREEMPTED
+from schemas.control import PREEMPTED, PrefillChunk
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +67,9 @@ class Sequence:
     stopping: bool = False  # cancelled, timed out or preempted: plan nothing more for it
     preempting: bool = False  # its rank is told to give its slot back to a more urgent one
     isolated: bool = False  # a suspect (ranks died holding it): it runs alone on a rank
+    # which admission of the request this is, counted by the book each time it queues:
+    # its rank's outcomes name it, and outcomes of an earlier one are stale
+    admission: int = 0
 
     @property
     def is_admitted(self) -> bool:
@@ -92,16 +97,6 @@ class Sequence:
 
 
 @dataclass(slots=True)
-class PrefillWork:
-    """One request's segment of a prefill launch: its tokens [start, start + num_tokens)."""
-
-    request_id: str
-    slot: int
-    start: int
-    num_tokens: int
-
-
-@dataclass(slots=True)
 class PlannedStop:
     """A running request its rank must end by this step: why (a finish reason, or
     `preempted`: give the slot back and resume later)."""
@@ -112,13 +107,17 @@ class PlannedStop:
 
 @dataclass(slots=True)
 class StepPlan:
-    """A whole pool's step: launch k of `decode_launches` maps rank -> its rows' slots."""
+    """A whole pool's step: launch k of `decode_launches` maps rank -> its rows' slots.
+
+    A `fence` opens an epoch: it goes to every live rank, which finishes what earlier
+    epochs sent and drops it; the batcher sends one, empty, before any other step."""
 
     admitted: list[Sequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     stops: list[PlannedStop] = field(default_factory=list)  # the preempted ones included
     decode_launches: list[dict[int, list[Sequence]]] = field(default_factory=list)
-    prefill: dict[int, list[list[PrefillWork]]] = field(default_factory=dict)  # launches
+    prefill: dict[int, list[list[PrefillChunk]]] = field(default_factory=dict)  # launches
+    fence: bool = False
 
     @property
     def is_empty(self) -> bool:
@@ -127,8 +126,9 @@ class StepPlan:
 
     @property
     def is_idle(self) -> bool:
-        """True when the step would tell no rank anything: no launch, nothing to end."""
-        return self.is_empty and not self.stops and not self.admitted
+        """True when the step would tell no rank anything: no launch, nothing to end, no
+        fence."""
+        return self.is_empty and not self.stops and not self.admitted and not self.fence
 
 
 @dataclass(slots=True)
@@ -248,25 +248,39 @@ def _admit(state: PoolState) -> list[Sequence]:
     return admitted
 
 
+def preempt_threshold(state: PoolState) -> float | None:
+    """The urgency a request yet to be queued must exceed to preempt one that runs: with
+    nothing waiting and no room left, the least urgent victim's plus the margin (None:
+    it would be admitted, or could preempt nothing)."""
+    margin = state.config.preempt_margin
+    if margin is None or state.waiting or state.room() > 0:
+        return None
+    victims = _victims(state)
+    return victims[0].urgency + margin if victims else None
+
+
 def _preempt(state: PoolState) -> list[Sequence]:
     """With no room left, the least urgent running requests whose urgency a waiting one
     exceeds by the margin give their slots back (one per waiting request)."""
     margin = state.config.preempt_margin
     if margin is None or not state.waiting:
         return []
-    running = state.running.values()
-    pending = sum(1 for s in running if s.preempting)
-    victims = sorted(
-        (s for s in running if not s.stopping and s.rank in state.ranks),
-        key=lambda s: (s.urgency, -s.order),
-    )
+    pending = sum(1 for s in state.running.values() if s.preempting)
     preempted: list[Sequence] = []
-    for head, victim in zip(state.waiting[pending:], victims):
+    for head, victim in zip(state.waiting[pending:], _victims(state)):
         if head.urgency <= victim.urgency + margin:
             break
         victim.stopping = victim.preempting = True
         preempted.append(victim)
     return preempted
+
+
+def _victims(state: PoolState) -> list[Sequence]:
+    """Running requests that could give their slot back, least urgent (then newest) first."""
+    return sorted(
+        (s for s in state.running.values() if not s.stopping and s.rank in state.ranks),
+        key=lambda s: (s.urgency, -s.order),
+    )
 
 
 def _pick_rank(state: PoolState, isolated: bool) -> int | None:
@@ -346,22 +360,22 @@ def _plan_decode(
 
 def _plan_prefill(
     by_rank: dict[int, list[Sequence]], config: PlannerConfig
-) -> dict[int, list[list[PrefillWork]]]:
+) -> dict[int, list[list[PrefillChunk]]]:
     """Up to `prefill_slots` launches per rank of up to `prefill_chunk` tokens each, filled
     most urgent request first. Packed, a launch holds segments of several requests back to
     back (a long prompt's last part shares its launch with the next prompts); unpacked, one
     request's chunk. An empty launch is a lockstep dummy."""
-    prefill: dict[int, list[list[PrefillWork]]] = {}
+    prefill: dict[int, list[list[PrefillChunk]]] = {}
     per_launch = config.prefill_segments if config.pack_prefill else 1
     for rank, seqs in by_rank.items():
         pending = sorted((s for s in seqs if s.wants_prefill), key=lambda s: (-s.urgency, s.order))
-        launches: list[list[PrefillWork]] = []
+        launches: list[list[PrefillChunk]] = []
         while pending and len(launches) < config.prefill_slots:
-            room, launch = config.prefill_chunk, list[PrefillWork]()
+            room, launch = config.prefill_chunk, list[PrefillChunk]()
             while pending and room and len(launch) < per_launch:
                 seq = pending[0]
                 num_tokens = min(room, seq.num_prompt_tokens - seq.num_prefilled)
-                launch.append(PrefillWork(seq.request_id, seq.slot, seq.num_prefilled, num_tokens))
+                launch.append(PrefillChunk(seq.slot, seq.num_prefilled, num_tokens, seq.request_id))
                 seq.num_prefilled += num_tokens
                 room -= num_tokens
                 if seq.is_prefilled:

@@ -46,6 +46,7 @@ from batcher.scheduler import (
     join_rank,
     lose_rank,
     plan_step,
+    preempt_threshold,
 )
 from schemas.config import Settings, add_settings_flags, settings_from_args
 from schemas.connection import connect, reset_connections
@@ -81,7 +82,15 @@ class Batcher:
         )
         self.state = self._new_state()
         self.book = RequestBook(self.redis, self.keys, settings, self.state, self.metrics)
-        self._reset()
+        self.registry = self._new_registry()
+        self.queue = QueueReader(self.redis, self.keys, self.pool, settings.priority_aging_s)
+        self.channel = self._new_channel()
+        self.epoch = 0
+        self.primary: tuple[str, int] | None = None  # behind Sentinels: this epoch's primary
+        self.step = 0
+        self.regroup = False  # set when the expert-parallel group must re-form
+        self.last_housekeeping = 0.0
+        self.last_intake = 0.0
         if self.metrics is not None:
             serve_metrics(settings.metrics_port, self.metrics.registry)
 
@@ -109,20 +118,26 @@ class Batcher:
         )
         return PoolState(config, live_ranks=set())
 
-    def _reset(self) -> None:
-        """A new epoch's planner state, registry view, queue reader and step channel."""
+    def _new_registry(self) -> RankRegistry:
         s = self.settings
-        self.state = self._new_state()
-        self.book.new_epoch(self.state)
-        self.registry = RankRegistry(
+        return RankRegistry(
             self.redis, self.keys, self.pool, s.ranks, s.rank_timeout_s, s.launch_shapes()
         )
-        self.queue = QueueReader(self.redis, self.keys, self.pool, s.priority_aging_s)
-        self.channel = StepChannel(
-            self.redis, self.keys, self.pool, self.registry, s.max_inflight_steps
+
+    def _new_channel(self) -> StepChannel:
+        return StepChannel(
+            self.redis, self.keys, self.pool, self.registry, self.settings.max_inflight_steps
         )
+
+    def _reset(self) -> None:
+        """A new epoch's planner state, registry view, queue reader and step channel."""
+        self.state = self._new_state()
+        self.book.new_epoch(self.state)
+        self.registry = self._new_registry()
+        self.queue = QueueReader(self.redis, self.keys, self.pool, self.settings.priority_aging_s)
+        self.channel = self._new_channel()
         self.epoch = 0
-        self.primary: tuple[str, int] | None = None  # behind Sentinels: this epoch's primary
+        self.primary = None
         self.step = 0
         self.regroup = False
         self.last_housekeeping = 0.0
@@ -235,7 +250,7 @@ class Batcher:
         self._set_state(BatcherState.STARTING)
         self._wait_for_ranks()
         self.regroup = False  # the ranks that joined while waiting form this epoch's group
-        self._dispatch(StepPlan())  # the fence: ranks drop state of earlier epochs
+        self._dispatch(StepPlan(fence=True))
         while self.channel.inflight and not self.stopping:
             self._collect(block_ms=200)
             self._poll_ranks()
@@ -368,12 +383,9 @@ class Batcher:
         if wanted <= 0 and now - self.last_intake < FULL_POOL_POLL_S:
             return  # a full pool only looks for excess entries and preemptions now and then
         self.last_intake = now
-        threshold, extra = float("inf"), 0
-        margin = self.state.config.preempt_margin
-        running = [s for s in self.state.running.values() if not s.stopping]
-        if wanted <= 0 and margin is not None and running and not self.state.waiting:
-            threshold, extra = min(s.urgency for s in running) + margin, 1
-        reply = self.queue.read(max(0, wanted), self.book.limits["max_queue"], threshold, extra)
+        threshold = preempt_threshold(self.state)
+        preempting = (float("inf"), 0) if threshold is None else (threshold, 1)
+        reply = self.queue.read(max(0, wanted), self.book.limits["max_queue"], *preempting)
         self.queue_depth = reply.depth
         self.book.reject_excess(reply.excess)
         if reply.deliveries:

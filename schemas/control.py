@@ -60,6 +60,17 @@ class PrefillChunk:
     slot: int
     start: int
     num_tokens: int
+    request_id: str = ""
+
+    def to_wire(self) -> list[Any]:
+        """The msgpack array form."""
+        return [self.slot, self.start, self.num_tokens, self.request_id]
+
+    @classmethod
+    def from_wire(cls, row: list[Any]) -> PrefillChunk:
+        """Back from the array form; ValueError unless it has exactly its four fields."""
+        slot, start, num_tokens, request_id = row
+        return cls(slot, start, num_tokens, request_id)
 
 
 @dataclass(slots=True)
@@ -101,7 +112,7 @@ class RankStepPlan:
                 self.incarnation,
                 [n.to_wire() for n in self.new_requests],
                 self.decode_launches,
-                [[[c.slot, c.start, c.num_tokens] for c in launch] for launch in self.prefill],
+                [[c.to_wire() for c in launch] for launch in self.prefill],
                 [[s.slot, s.request_id, s.finish_reason, s.admission] for s in self.stops],
             ]
         )
@@ -118,7 +129,7 @@ class RankStepPlan:
                 incarnation,
                 [NewRequest.from_wire(n) for n in news],
                 decode,
-                [[PrefillChunk(*c) for c in launch] for launch in prefill],
+                [[PrefillChunk.from_wire(c) for c in launch] for launch in prefill],
                 [SlotStop(*s) for s in stops],
             )
         except (ValueError, TypeError, KeyError) as exc:

@@ -7,7 +7,14 @@ import pytest
 
 from npu_worker.output.records import StepRecord, TokenRow
 from schemas.codec import CodecError, DeadLetter, Rejected, decode, decode_request, encode
-from schemas.control import RequestOutcome, SlotStop, StepCounts, StepResult
+from schemas.control import (
+    PrefillChunk,
+    RankStepPlan,
+    RequestOutcome,
+    SlotStop,
+    StepCounts,
+    StepResult,
+)
 from schemas.messages import FinishReason, GenerateRequest, ResultChunk, SamplingParams, Usage
 
 MAX_BYTES = 1 << 20
@@ -102,3 +109,14 @@ def test_step_results_and_records_round_trip_with_their_counts() -> None:
     assert StepRecord.decode(record.encode()) == record
     with pytest.raises(ValueError, match="not a step result"):
         StepResult.decode(msgpack.packb([4, 99, 1, "inc", [], [1, 2]]))
+
+
+def test_step_plans_round_trip_with_each_prefill_chunks_request_id() -> None:
+    chunks = [[PrefillChunk(0, 128, 72, "r0"), PrefillChunk(1, 0, 40, "r1")], []]
+    plan = RankStepPlan(3, 8, 1, "inc", decode_launches=[[2, 3]], prefill=chunks)
+    wire = msgpack.unpackb(plan.encode())
+    assert wire[6] == [[[0, 128, 72, "r0"], [1, 0, 40, "r1"]], []]
+    assert RankStepPlan.decode(plan.encode()) == plan
+    three_fields = msgpack.packb([3, 8, 1, "inc", [], [], [[[0, 0, 10]]], []])
+    with pytest.raises(ValueError, match="not a step plan"):
+        RankStepPlan.decode(three_fields)

@@ -3,6 +3,7 @@ test_scheduler_properties)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import fields
 
 import pytest
@@ -10,14 +11,16 @@ import pytest
 from batcher.scheduler import (
     PlannerConfig,
     PoolState,
-    PrefillWork,
     Sequence,
     StepPlan,
     finish,
     plan_step,
+    preempt_threshold,
+    stop,
 )
+from schemas.control import PrefillChunk
 
-DUMMY: list[PrefillWork] = []  # a lockstep filler launch
+DUMMY: list[PrefillChunk] = []  # a lockstep filler launch
 
 
 def make_config(**overrides: float | bool | None) -> PlannerConfig:
@@ -159,6 +162,39 @@ def test_no_preemption_within_the_margin_or_when_disabled() -> None:
         assert (plan.admitted, plan.preempted) == ([], [])
 
 
+def full_pool(margin: float | None = 3.0) -> PoolState:
+    """Two running requests (r0 at urgency 1.0, r1 at 0.5) and no room for a third."""
+    state = make_state(max_num_seqs=2, preempt_margin=margin)
+    submit(state, 10, urgency=1.0)
+    submit(state, 10, first=1, urgency=0.5)
+    plan_step(state)
+    return state
+
+
+def test_a_queued_request_preempts_exactly_when_it_is_over_the_preempt_threshold() -> None:
+    assert preempt_threshold(full_pool()) == 3.5  # the least urgent running, plus the margin
+    for urgency, preempted in [(3.5, []), (math.nextafter(3.5, math.inf), ["r1"])]:
+        state = full_pool()
+        submit(state, 10, first=2, urgency=urgency)
+        assert ids(plan_step(state).preempted) == preempted
+
+
+def test_no_preempt_threshold_with_room_something_waiting_no_victim_or_no_margin() -> None:
+    roomy = make_state(max_num_seqs=3, preempt_margin=3.0)
+    submit(roomy, 10, 10)
+    plan_step(roomy)
+    waiting = full_pool()
+    submit(waiting, 10, first=2)
+    stopping = full_pool()
+    for request_id in ("r0", "r1"):
+        stop(stopping, request_id, "cancelled")
+    for state in (roomy, waiting, stopping, full_pool(margin=None)):
+        assert preempt_threshold(state) is None
+    one_left = full_pool()
+    stop(one_left, "r1", "cancelled")
+    assert preempt_threshold(one_left) == 4.0
+
+
 def test_an_isolated_request_waits_for_an_empty_rank_and_then_runs_alone() -> None:
     state = make_state(num_ranks=2, kv_slots_per_rank=2)
     submit(state, 10, 10, 10)  # ranks 0 and 1 busy (two on rank 0)
@@ -186,13 +222,17 @@ def test_packed_prefill_fills_each_launch_with_the_next_prompts_back_to_back() -
     submit(state, 200, 40, 30, 20, 10)
     plan = plan_step(state)
     assert plan.prefill[0] == [
-        [PrefillWork("r0", 0, 0, 128)],
-        [PrefillWork("r0", 0, 128, 72), PrefillWork("r1", 1, 0, 40), PrefillWork("r2", 2, 0, 16)],
+        [PrefillChunk(0, 0, 128, "r0")],
+        [
+            PrefillChunk(0, 128, 72, "r0"),
+            PrefillChunk(1, 0, 40, "r1"),
+            PrefillChunk(2, 0, 16, "r2"),
+        ],
     ]
     assert [w for launch in plan_step(state).prefill[0] for w in launch] == [
-        PrefillWork("r2", 2, 16, 14),
-        PrefillWork("r3", 3, 0, 20),
-        PrefillWork("r4", 4, 0, 10),
+        PrefillChunk(2, 16, 14, "r2"),
+        PrefillChunk(3, 0, 20, "r3"),
+        PrefillChunk(4, 0, 10, "r4"),
     ]
     assert all(s.is_prefilled and s.num_planned_tokens >= 1 for s in state.running.values())
 
@@ -201,7 +241,7 @@ def test_request_completing_its_prompt_does_not_decode_in_the_same_step() -> Non
     state = make_state()
     (seq,) = submit(state, 100)
     first = plan_step(state)
-    assert (first.decode_launches, first.prefill) == ([], {0: [[PrefillWork("r0", 0, 0, 100)]]})
+    assert (first.decode_launches, first.prefill) == ([], {0: [[PrefillChunk(0, 0, 100, "r0")]]})
     assert seq.num_planned_tokens == 1
     second = plan_step(state)
     assert (launch_ids(second), second.prefill, seq.num_planned_tokens) == ([{0: ["r0"]}], {}, 2)
@@ -228,9 +268,9 @@ def test_long_prompt_is_prefilled_in_chunks_over_several_steps() -> None:
         (launch,) = plan.prefill[0]
         chunks += launch
     assert chunks == [
-        PrefillWork("r0", 0, 0, 128),
-        PrefillWork("r0", 0, 128, 128),
-        PrefillWork("r0", 0, 256, 44),
+        PrefillChunk(0, 0, 128, "r0"),
+        PrefillChunk(0, 128, 128, "r0"),
+        PrefillChunk(0, 256, 44, "r0"),
     ]
     assert (seq.num_prefilled, seq.num_planned_tokens) == (300, 1)
 
@@ -240,10 +280,10 @@ def test_prefill_takes_at_most_prefill_slots_chunks_per_rank_oldest_first() -> N
     for slot, order in [(0, 3), (1, 2), (2, 0), (3, 1)]:
         place(state, f"o{order}", rank=0, slot=slot, prefilled=False, order=order)
     first = plan_step(state)
-    assert first.prefill == {0: [[PrefillWork("o0", 2, 0, 10)], [PrefillWork("o1", 3, 0, 10)]]}
+    assert first.prefill == {0: [[PrefillChunk(2, 0, 10, "o0")], [PrefillChunk(3, 0, 10, "o1")]]}
     plan = plan_step(state)
     assert launch_ids(plan) == [{0: ["o0", "o1"]}]
-    assert plan.prefill == {0: [[PrefillWork("o2", 1, 0, 10)], [PrefillWork("o3", 0, 0, 10)]]}
+    assert plan.prefill == {0: [[PrefillChunk(1, 0, 10, "o2")], [PrefillChunk(0, 0, 10, "o3")]]}
 
 
 def test_decode_stops_once_planned_tokens_reach_max_new_tokens() -> None:
@@ -268,9 +308,9 @@ def make_mixed_pool(*, lockstep: bool) -> PoolState:
     return state
 
 
-PREFILL_P0 = [PrefillWork("p0", 0, 0, 10)]
-PREFILL_P1 = [PrefillWork("p1", 1, 0, 10)]
-PREFILL_P2 = [PrefillWork("p2", 0, 0, 10)]
+PREFILL_P0 = [PrefillChunk(0, 0, 10, "p0")]
+PREFILL_P1 = [PrefillChunk(1, 0, 10, "p1")]
+PREFILL_P2 = [PrefillChunk(0, 0, 10, "p2")]
 
 
 def test_without_lockstep_idle_ranks_get_no_launches() -> None:
