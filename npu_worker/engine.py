@@ -197,7 +197,9 @@ class RankEngine:
         live = [
             (chunk, state)
             for chunk in launch
-            if (state := self.slots.get(chunk.slot)) is not None and state.finish is None
+            if (state := self.slots.get(chunk.slot)) is not None
+            and state.finish is None
+            and chunk.request_id in ("", state.request_id)  # "": a plan that names none
         ]
         if not live:
             if not launch or self.lockstep:  # every rank runs the same launches

@@ -35,6 +35,18 @@ from npu_pool.launcher import PoolProcesses  # noqa: E402
 from producer.client import Client  # noqa: E402
 from schemas.config import Settings  # noqa: E402
 
+POOL_FIXTURES = frozenset({"start_pool", "start_gateway"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark every test that starts a pool or a gateway `pool`; one marked `fast` may not."""
+    for item in items:
+        if not POOL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            continue
+        if item.get_closest_marker("fast") is not None:
+            raise pytest.UsageError(f"{item.nodeid} is marked fast but starts a pool")
+        item.add_marker(pytest.mark.pool)
+
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if OWN_HOME is not None:

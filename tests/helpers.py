@@ -23,7 +23,6 @@ from schemas.codec import decode
 from schemas.config import Settings
 from schemas.control import RankStepPlan, StepResult
 from schemas.messages import ResultChunk
-from schemas.registry import LaunchShapes
 from tests.reference import ReferenceCompletion, generate_alone
 
 # float32 rows computed in different batch positions may differ by rounding; a top-2 gap
@@ -118,20 +117,6 @@ def wait_until(condition: Callable[[], bool], timeout_s: float = 30.0, what: str
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s}s waiting for {what or condition}")
         time.sleep(0.02)
-
-
-def launch_shapes(
-    num_slots: int, max_kv_len: int, prefill_chunk: int, decode_batch: int, segments: int = 8
-) -> LaunchShapes:
-    """The shapes of a runner built by hand in a test (MTP follows the model)."""
-    return LaunchShapes(
-        decode_batch=decode_batch,
-        prefill_chunk=prefill_chunk,
-        prefill_segments=segments,
-        num_slots=num_slots,
-        max_kv_len=max_kv_len,
-        mtp=False,
-    )
 
 
 def interrupt_once_shown(

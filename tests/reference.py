@@ -1,13 +1,18 @@
-"""A lone greedy request run straight on a rank's launches: the reference for exactness checks."""
+"""References for exactness checks, computed another way than the pool computes them: a lone
+greedy request run straight on a rank's launches, and `transformers`' greedy generate."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 
 from npu_worker.runner import LaunchRunner
+from npu_worker.weights.loader import load_model
 from schemas.control import PrefillChunk
+from schemas.registry import LaunchShapes
 
 
 @dataclass(slots=True)
@@ -16,6 +21,20 @@ class ReferenceCompletion:
 
     token_ids: list[int]
     top2_gaps: list[float]
+
+
+def launch_shapes(
+    num_slots: int, max_kv_len: int, prefill_chunk: int, decode_batch: int, segments: int = 8
+) -> LaunchShapes:
+    """The shapes of a runner built by hand in a test (MTP follows the model)."""
+    return LaunchShapes(
+        decode_batch=decode_batch,
+        prefill_chunk=prefill_chunk,
+        prefill_segments=segments,
+        num_slots=num_slots,
+        max_kv_len=max_kv_len,
+        mtp=False,
+    )
 
 
 def prefill_logits(
@@ -68,3 +87,29 @@ def first_divergence(
     if len(actual) != len(reference.token_ids):
         return f"length {len(actual)} != reference length {len(reference.token_ids)}"
     return None
+
+
+def lone_runs(
+    path: Path, dtype: str, prompts: list[list[int]], max_tokens: int, max_model_len: int
+) -> list[ReferenceCompletion]:
+    """Each prompt run alone, one row a launch, on one rank holding the whole model (every
+    expert, no MTP), EOS ignored."""
+    loaded = load_model(path, dtype, torch.device("cpu"), max_model_len)
+    runner = LaunchRunner(loaded.model, launch_shapes(1, max_model_len, 128, 1))
+    return [generate_alone(runner, p, max_tokens, set(), max_model_len) for p in prompts]
+
+
+def hf_greedy(model: Any, prompt: list[int], max_tokens: int) -> ReferenceCompletion:
+    """transformers' greedy generate (of a `transformers` model), with the top-2 gap of every
+    step's logits."""
+    out = model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=max_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
+    gaps = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
+    return ReferenceCompletion(out.sequences[0, len(prompt) :].tolist(), gaps)

@@ -58,6 +58,7 @@ def test_bad_messages_are_rejected_naming_the_field(start_pool, client: Client) 
         client.submit(messages=[{"role": "user"}])
 
 
+@pytest.mark.fast
 def test_template_errors_become_chat_template_errors() -> None:
     strict = ChatTemplate(
         "{% if messages[0]['role'] != 'user' %}{{ raise_exception('first turn must be the user') }}"

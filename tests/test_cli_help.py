@@ -10,7 +10,11 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from npu_pool.cli import COMMANDS
+
+pytestmark = pytest.mark.fast
 
 SUBCOMMANDS = [
     ["batch", "submit"],

@@ -17,6 +17,8 @@ from schemas.control import (
 )
 from schemas.messages import FinishReason, GenerateRequest, ResultChunk, SamplingParams, Usage
 
+pytestmark = pytest.mark.fast
+
 MAX_BYTES = 1 << 20
 
 

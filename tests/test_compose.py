@@ -12,6 +12,8 @@ import yaml
 from npu_pool.cli import COMMANDS
 from schemas.config import Settings
 
+pytestmark = pytest.mark.fast
+
 COMPOSE = Path(__file__).resolve().parent.parent / "docker-compose.yml"
 
 

@@ -17,10 +17,13 @@ from npu_worker.models.llama.model import Attention
 from npu_worker.runner import LaunchRunner
 from npu_worker.weights.loader import LoadedModel, load_model
 from npu_worker.weights.presets import resolve_model_dir
-from tests.helpers import launch_shapes, random_prompt
-from tests.reference import prefill_logits
+from tests.helpers import random_prompt
+from tests.reference import launch_shapes, prefill_logits
 
-pytestmark = pytest.mark.skipif(not packing_available(), reason="torch built without oneDNN")
+pytestmark = [
+    pytest.mark.fast,
+    pytest.mark.skipif(not packing_available(), reason="torch built without oneDNN"),
+]
 MAX_KV_LEN = 320
 
 

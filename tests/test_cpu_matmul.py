@@ -18,10 +18,13 @@ from npu_worker.kernels.cpu.products import kernel_products_win, packing_availab
 from npu_worker.runner import LaunchRunner
 from npu_worker.weights.loader import LoadedModel, load_model
 from npu_worker.weights.presets import resolve_model_dir
-from tests.helpers import launch_shapes, random_prompt
-from tests.reference import prefill_logits
+from tests.helpers import random_prompt
+from tests.reference import launch_shapes, prefill_logits
 
-pytestmark = pytest.mark.skipif(not has_avx512(), reason="the kernels' product needs AVX-512")
+pytestmark = [
+    pytest.mark.fast,
+    pytest.mark.skipif(not has_avx512(), reason="the kernels' product needs AVX-512"),
+]
 MAX_KV_LEN = 320
 
 

@@ -22,8 +22,10 @@ from npu_worker.runner import LaunchRunner
 from npu_worker.weights.loader import LoadedModel, load_model
 from npu_worker.weights.presets import resolve_model_dir
 from schemas.config import Settings
-from tests.helpers import launch_shapes, load_reference_model, random_prompt
-from tests.reference import prefill_logits
+from tests.helpers import load_reference_model, random_prompt
+from tests.reference import launch_shapes, prefill_logits
+
+pytestmark = pytest.mark.fast
 
 SLOTS, POSITIONS = 6, 257  # positions + 1: the last is the cache's scratch position
 SCRATCH = POSITIONS - 1

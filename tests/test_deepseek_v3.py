@@ -15,22 +15,19 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from npu_worker.models.deepseek_v3.model import DeepseekV3CausalLM
-from npu_worker.runner import LaunchRunner
 from npu_worker.weights.loader import load_model
 from producer.client import Client
 from producer.status import PoolFailed, collect_status
 from schemas.config import Settings
 from schemas.keys import Keys
 from tests.conftest import StartPool
-from tests.helpers import (
-    TIE_TOLERANCE,
-    check_stream,
-    launch_shapes,
-    random_prompt,
-    wait_until,
+from tests.helpers import TIE_TOLERANCE, check_stream, random_prompt, wait_until
+from tests.reference import (
+    ReferenceCompletion,
+    first_divergence,
+    hf_greedy,
+    lone_runs,
 )
-from tests.reference import ReferenceCompletion, first_divergence, generate_alone
-from tests.test_hf_parity import hf_greedy
 
 make = pytest.importorskip("npu_worker.weights.makers.deepseek_v3")
 MAX_MODEL_LEN = 512
@@ -50,9 +47,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def lone(path: Path, prompts: list[list[int]], max_tokens: int) -> list[ReferenceCompletion]:
     """Each prompt run alone on one rank holding every expert, no MTP."""
-    loaded = load_model(path, DTYPE, torch.device("cpu"), MAX_MODEL_LEN)
-    runner = LaunchRunner(loaded.model, launch_shapes(1, MAX_MODEL_LEN, 128, 1))
-    return [generate_alone(runner, p, max_tokens, set(), MAX_MODEL_LEN) for p in prompts]
+    return lone_runs(path, DTYPE, prompts, max_tokens, MAX_MODEL_LEN)
 
 
 @pytest.mark.parametrize("kind", ["q_lora", "plain"])

@@ -37,9 +37,16 @@ from producer.client import Client
 from producer.status import collect_status
 from schemas.keys import Keys
 from tests.conftest import StartPool
-from tests.helpers import TIE_TOLERANCE, check_stream, launch_shapes, random_prompt, wait_until
-from tests.reference import ReferenceCompletion, first_divergence, generate_alone, prefill_logits
-from tests.test_hf_parity import hf_greedy
+from tests.helpers import TIE_TOLERANCE, check_stream, random_prompt, wait_until
+from tests.reference import (
+    ReferenceCompletion,
+    first_divergence,
+    generate_alone,
+    hf_greedy,
+    launch_shapes,
+    lone_runs,
+    prefill_logits,
+)
 
 make = pytest.importorskip("npu_worker.weights.makers.deepseek_v4")
 MAX_MODEL_LEN = 768
@@ -70,9 +77,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def lone(path: Path, prompts: list[list[int]], max_tokens: int) -> list[ReferenceCompletion]:
     """Each prompt run alone on one rank holding every expert."""
-    loaded = load_model(path, "float32", torch.device("cpu"), MAX_MODEL_LEN)
-    runner = LaunchRunner(loaded.model, launch_shapes(1, MAX_MODEL_LEN, 128, 1))
-    return [generate_alone(runner, p, max_tokens, set(), MAX_MODEL_LEN) for p in prompts]
+    return lone_runs(path, "float32", prompts, max_tokens, MAX_MODEL_LEN)
 
 
 def transformers_model(path: Path) -> torch.nn.Module:

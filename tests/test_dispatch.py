@@ -9,6 +9,8 @@ from batcher.scheduler import PlannedStop, Sequence, StepPlan
 from schemas.config import Settings
 from schemas.control import PrefillChunk, RankStepPlan, SlotStop
 
+pytestmark = pytest.mark.fast
+
 SETTINGS = Settings(model="tiny", device="cpu", ranks=3)
 LIVE = {0, 2}  # rank 1 is gone
 

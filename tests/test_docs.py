@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from schemas.config import Settings
+
+pytestmark = pytest.mark.fast
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 

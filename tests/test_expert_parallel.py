@@ -14,6 +14,8 @@ from npu_worker.expert_parallel import Rendezvous, RendezvousTimeout
 from npu_worker.models.moe import expert_share
 from schemas.keys import Keys
 
+pytestmark = pytest.mark.fast
+
 KEYS = Keys()
 
 

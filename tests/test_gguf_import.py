@@ -25,7 +25,7 @@ from npu_worker.weights.presets import resolve_model_dir
 from npu_worker.weights.tiny import CHAT_TEMPLATE, ensure_tiny_model
 from producer.client import Client
 from tests.helpers import TIE_TOLERANCE, check_stream, random_prompt
-from tests.reference import ReferenceCompletion, first_divergence
+from tests.reference import first_divergence, hf_greedy
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
@@ -215,6 +215,7 @@ def test_imported_tokenizer_and_template_match_transformers_for_each_pre_tokeniz
     assert template == {"template": CHAT_TEMPLATE, "bos_token": "<|bos|>", "eos_token": "<|eos|>"}
 
 
+@pytest.mark.fast
 def test_unsupported_gguf_files_are_refused_naming_the_value(tmp_path: Path) -> None:
     writer = gguf.GGUFWriter(str(tmp_path / "falcon.gguf"), "falcon")
     writer.add_block_count(1)
@@ -248,21 +249,6 @@ def test_models_import_writes_a_directory_once_and_the_cache_reuses_it(tmp_path:
     written = (cached / "model.safetensors").stat().st_mtime_ns
     assert ensure_imported(path, root=tmp_path / "cache") == cached
     assert (cached / "model.safetensors").stat().st_mtime_ns == written
-
-
-def hf_greedy(model: Any, prompt: list[int], max_tokens: int) -> ReferenceCompletion:
-    """transformers' greedy generate, with the top-2 gap of every step's logits."""
-    out = model.generate(
-        torch.tensor([prompt]),
-        max_new_tokens=max_tokens,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
-        output_scores=True,
-        return_dict_in_generate=True,
-    )
-    gaps = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
-    return ReferenceCompletion(out.sequences[0, len(prompt) :].tolist(), gaps)
 
 
 def test_pool_serves_a_gguf_path_with_the_greedy_tokens_of_transformers(

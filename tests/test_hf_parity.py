@@ -14,7 +14,7 @@ import torch
 from npu_worker.weights.tiny import ensure_tiny_model
 from producer.client import Client
 from tests.helpers import TIE_TOLERANCE, check_stream, random_prompt
-from tests.reference import ReferenceCompletion, first_divergence
+from tests.reference import first_divergence, hf_greedy
 
 transformers = pytest.importorskip("transformers")
 
@@ -63,21 +63,6 @@ def build_checkpoint(kind: str, out: Path) -> torch.nn.Module:
     model.save_pretrained(out, safe_serialization=True, max_shard_size=shard)
     shutil.copy(ensure_tiny_model() / "tokenizer.json", out / "tokenizer.json")
     return model
-
-
-def hf_greedy(model: torch.nn.Module, prompt: list[int], max_tokens: int) -> ReferenceCompletion:
-    """transformers' greedy generate, with the top-2 gap of every step's logits."""
-    out = model.generate(
-        torch.tensor([prompt]),
-        max_new_tokens=max_tokens,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
-        output_scores=True,
-        return_dict_in_generate=True,
-    )
-    gaps = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
-    return ReferenceCompletion(out.sequences[0, len(prompt) :].tolist(), gaps)
 
 
 @pytest.mark.parametrize("kind", sorted(ARCHITECTURES))

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.fast
+
 # Modules only the extras bring (npu_pool/extras.py); the producer side must not need them.
 EXTRA_ONLY = (
     "torch",

@@ -14,8 +14,10 @@ from npu_worker.weights.loader import LoadedModel
 from schemas.config import Settings
 from schemas.control import NewRequest, PrefillChunk, RankStepPlan
 from schemas.messages import SamplingParams
-from tests.helpers import LocalRank, launch_shapes, load_reference_model, random_prompt
-from tests.reference import prefill_logits
+from tests.helpers import LocalRank, load_reference_model, random_prompt
+from tests.reference import launch_shapes, prefill_logits
+
+pytestmark = pytest.mark.fast
 
 SETTINGS = Settings(
     model="tiny", device="cpu", max_model_len=512, kv_slots_per_rank=8, decode_batch=4

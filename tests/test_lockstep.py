@@ -16,7 +16,8 @@ from npu_worker.weights.loader import load_model
 from npu_worker.weights.presets import resolve_model_dir
 from schemas.config import Settings
 from schemas.messages import GenerateRequest, SamplingParams
-from tests.helpers import LocalRank, launch_shapes, random_prompt
+from tests.helpers import LocalRank, random_prompt
+from tests.reference import launch_shapes
 
 SETTINGS = Settings(
     model="tiny",

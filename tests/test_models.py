@@ -24,6 +24,8 @@ from schemas.control import NewRequest
 from schemas.messages import SamplingParams
 from tests.helpers import load_reference_model
 
+pytestmark = pytest.mark.fast
+
 
 def copy_tiny(tmp_path: Path) -> Path:
     target = tmp_path / "model"

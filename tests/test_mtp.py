@@ -21,8 +21,8 @@ from schemas.config import Settings
 from schemas.control import NewRequest, PrefillChunk, RankStepPlan, StepResult
 from schemas.keys import Keys
 from schemas.messages import SamplingParams
-from tests.helpers import TIE_TOLERANCE, LocalRank, check_stream, launch_shapes, random_prompt
-from tests.reference import first_divergence, generate_alone
+from tests.helpers import TIE_TOLERANCE, LocalRank, check_stream, random_prompt
+from tests.reference import first_divergence, generate_alone, launch_shapes
 
 SETTINGS = Settings(
     model="tiny", device="cpu", max_model_len=512, decode_batch=4, kv_slots_per_rank=8
@@ -44,6 +44,7 @@ def greedy_rows(n: int) -> object:
     return sampling_rows([SamplingParams()] * n, [0] * n, [0] * n, torch.device("cpu"))
 
 
+@pytest.mark.fast
 def test_greedy_acceptance_commits_the_draft_and_the_bonus_or_the_correction() -> None:
     logits = torch.full((2, 2, 5), -1.0)
     logits[0, 0, 3], logits[0, 1, 4] = 2.0, 2.0  # row 0: argmax 3 then 4
@@ -54,6 +55,7 @@ def test_greedy_acceptance_commits_the_draft_and_the_bonus_or_the_correction() -
     assert decided.second.tolist()[0] == 4  # the bonus after an accepted draft
 
 
+@pytest.mark.fast
 def test_sampled_acceptance_is_certain_at_p_one_and_impossible_at_p_zero() -> None:
     logits = torch.full((2, 2, 4), -1e9)
     logits[0, :, 2] = 0.0  # row 0: all mass on token 2; the draft is 2
@@ -71,6 +73,7 @@ def committed(runner: LaunchRunner, slot: int) -> tuple[int, int, int]:
     return int(tail.token[slot]), int(tail.position[slot]), int(tail.draft[slot])
 
 
+@pytest.mark.fast
 def test_committed_window_after_acceptance_and_rejection(with_mtp: LoadedModel) -> None:
     runner = LaunchRunner(with_mtp.model, launch_shapes(8, SETTINGS.max_kv_len, 128, 4))
     prompt = random_prompt(random.Random(1), 20, 512)
@@ -194,6 +197,7 @@ def chi_square_ok(plain: Counter, drafted: Counter) -> bool:
     return chi2 < critical
 
 
+@pytest.mark.fast
 def test_sampled_tokens_with_mtp_follow_the_same_distribution(with_mtp: LoadedModel) -> None:
     count = 800
     plain = sample_paths(load(mtp=False), count, seed_base=0)
@@ -201,6 +205,7 @@ def test_sampled_tokens_with_mtp_follow_the_same_distribution(with_mtp: LoadedMo
     assert chi_square_ok(plain, drafted), (plain, drafted)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(("prompt_len", "max_tokens", "expected"), [(150, 50, 10), (5, 7, 7)])
 def test_mtp_never_overruns_max_model_len_or_max_tokens(
     with_mtp: LoadedModel, prompt_len: int, max_tokens: int, expected: int

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -14,6 +15,8 @@ from batcher.scheduler import PlannerConfig, PoolState, Sequence, plan_step, sto
 from schemas.control import PREEMPTED, RequestOutcome, StepResult
 from tests.test_scheduler import make_state, place, submit
 from tests.test_scheduler_properties import Arrival, configs, step_bound, urgency_of, workloads
+
+pytestmark = pytest.mark.fast
 
 
 def result(rank: int, *outcomes: RequestOutcome) -> StepResult:

@@ -106,6 +106,7 @@ def test_packed_requests_get_the_tokens_they_get_alone(
         assert problem is None, f"r{i} ({len(prompt)} tokens of {lengths}): {problem}"
 
 
+@pytest.mark.fast
 def test_short_prompts_share_launches(model) -> None:
     loaded, _ = model
     rng = random.Random(1)
@@ -114,6 +115,7 @@ def test_short_prompts_share_launches(model) -> None:
     assert shared >= 1
 
 
+@pytest.mark.fast
 def test_exact_keys_and_whole_spans_side_by_side_give_the_same_launch(model) -> None:
     """The eager backend attends over exactly the keys each segment sees; graph backends lay
     every segment's whole span side by side. A launch continuing a cached prompt and

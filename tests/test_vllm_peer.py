@@ -15,10 +15,9 @@ from bench import serve as bench
 from npu_worker.weights.tiny import ensure_tiny_model
 from producer.client import Client
 from tests.helpers import TIE_TOLERANCE, check_stream, random_prompt
-from tests.reference import first_divergence
+from tests.reference import first_divergence, hf_greedy
 
 transformers = pytest.importorskip("transformers")
-from tests.test_hf_parity import hf_greedy  # noqa: E402 (needs transformers)
 
 ROOT = Path(__file__).resolve().parent.parent
 
