@@ -105,6 +105,7 @@ class RequestBook:
         assert self.tokenizer is not None
         pipe = self.redis.pipeline(transaction=False)
         fresh: list[Tracked] = []
+        duplicates: list[tuple[Delivery, str]] = []
         for d in deliveries:
             if d.fields is None:  # deleted since it was read: already settled
                 settle(pipe, d.stream, d.entry_id)
@@ -127,9 +128,7 @@ class RequestBook:
                 self.counts.rejected += 1
                 continue
             if request.id in self.tracked:
-                reason = f"field `id`: {request.id!r} duplicates a request in progress"
-                write_dead_letter(pipe, self.keys, d.stream, d.entry_id, d.fields, reason)
-                self.counts.dead += 1
+                duplicates.append((d, request.id))
                 continue
             self.order += 1
             payload = d.fields.get(FIELD.encode(), b"")
@@ -138,8 +137,33 @@ class RequestBook:
             )
             self.tracked[request.id] = tracked
             fresh.append(tracked)
+        self._end_duplicates(duplicates, pipe)
         pipe.execute()
         self.enqueue(fresh, resume)
+
+    def _end_duplicates(
+        self, duplicates: list[tuple[Delivery, str]], pipe: redis.client.Pipeline
+    ) -> None:
+        """Entries whose id this pool tracks: kept as served once where that request's final
+        chunk is written already (it was submitted again the moment it finished, before its
+        rank's step result came back), else dead letters (it is still in progress)."""
+        if not duplicates:
+            return
+        published = read_published(self.redis, self.keys, [i for _, i in duplicates])
+        kept = []
+        for d, request_id in duplicates:
+            if published[request_id].final is not None:
+                settle(pipe, d.stream, d.entry_id)
+                kept.append(request_id)
+                continue
+            reason = f"field `id`: {request_id!r} duplicates a request in progress"
+            write_dead_letter(pipe, self.keys, d.stream, d.entry_id, d.fields or {}, reason)
+            self.counts.dead += 1
+        if kept:
+            log.info(
+                "already complete, result kept as it is (an id submitted again is served once): %s",
+                kept,
+            )
 
     def requeue(self, lost: list[Tracked], rank_died: bool = False) -> None:
         """Requests whose rank was lost (or lost them, or gave them back) re-enter after what

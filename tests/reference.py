@@ -3,12 +3,16 @@ greedy request run straight on a rank's launches, and `transformers`' greedy gen
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from npu_worker.kernels import kit_for
+from npu_worker.models.kit import LayerKit, TorchKit
+from npu_worker.models.launch import LaunchModel
 from npu_worker.runner import LaunchRunner
 from npu_worker.weights.loader import load_model
 from schemas.control import PrefillChunk
@@ -97,6 +101,45 @@ def lone_runs(
     loaded = load_model(path, dtype, torch.device("cpu"), max_model_len)
     runner = LaunchRunner(loaded.model, launch_shapes(1, max_model_len, 128, 1))
     return [generate_alone(runner, p, max_tokens, set(), max_model_len) for p in prompts]
+
+
+def layer_kits() -> dict[str, Callable[[], LayerKit]]:
+    """Every layer kit a CPU rank can be built with: plain torch layers (what graph backends
+    capture), the CPU's with its kernels, and without them (`--no-decode-kernel`)."""
+    cpu = torch.device("cpu")
+    return {
+        "torch": TorchKit,
+        "cpu": lambda: kit_for(cpu),
+        "cpu-without-kernels": lambda: kit_for(cpu, decode_kernel=False),
+    }
+
+
+def beside_differs(
+    model: LaunchModel[Any], shapes: LaunchShapes, prompts: list[list[int]], tie_tolerance: float
+) -> str | None:
+    """Each prompt run alone on a runner of `model`, then all of them prefilled on a second
+    runner (a state of its own) and decoded in one launch: None when every row's second
+    token is its lone run's (or a near-tie of it), else which is not."""
+    alone_runner, beside = LaunchRunner(model, shapes), LaunchRunner(model, shapes)
+    max_len = shapes.max_kv_len
+    alone = [
+        generate_alone(alone_runner, p, 2, set(), max_len, slot=s) for s, p in enumerate(prompts)
+    ]
+    chunk = beside.prefill_chunk
+    for slot, prompt in enumerate(prompts):
+        for start in range(0, len(prompt), chunk):
+            prefill_logits(beside, slot, prompt[start : start + chunk], start)
+    slots, positions = list(range(len(prompts))), [len(p) for p in prompts]
+    together = beside.decode(slots, [r.token_ids[0] for r in alone], positions)
+    for slot, reference in enumerate(alone):
+        got, want, gap = (
+            int(together[slot].argmax()),
+            reference.token_ids[1],
+            reference.top2_gaps[1],
+        )
+        if got != want and gap > tie_tolerance:
+            return f"prompt of {positions[slot]}: {got} beside others, {want} alone"
+    return None
 
 
 def hf_greedy(model: Any, prompt: list[int], max_tokens: int) -> ReferenceCompletion:

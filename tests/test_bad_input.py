@@ -4,10 +4,17 @@ serving (docs/architecture.md §7)."""
 from __future__ import annotations
 
 import msgpack
+from tokenizers import Tokenizer
 
+from batcher.book import RequestBook
+from batcher.durability import Delivery, ensure_groups
+from batcher.scheduler import PlannerConfig, PoolState
+from npu_worker.weights.tiny import ensure_tiny_model
 from producer.client import Client
-from schemas.keys import Keys
-from schemas.messages import FinishReason, Usage
+from schemas.codec import encode
+from schemas.config import Settings
+from schemas.keys import FIELD, GROUP, Keys
+from schemas.messages import FinishReason, ResultChunk, Usage
 from tests.helpers import check_stream, wait_until
 
 KEYS = Keys()
@@ -135,3 +142,32 @@ def test_a_duplicate_id_of_a_running_request_is_a_dead_letter_and_the_original_c
     ((_, fields),) = redis_client.xrange(KEYS.dead)
     assert "duplicates a request in progress" in fields[b"reason"].decode()
     wait_until(lambda: redis_client.xlen(KEYS.requests) == 0, what="every entry deleted")
+
+
+def test_an_id_submitted_again_once_its_final_chunk_is_written_is_kept_not_dead(
+    redis_client,
+) -> None:
+    """Between a request's final chunk and its rank's step result the pool still tracks it;
+    the same id submitted again in that moment is served once (its result kept), not a
+    duplicate of a request in progress."""
+    settings = Settings(model="tiny", max_model_len=256)
+    planner = PlannerConfig(1, 4, 4, 4, 128, 1)
+    book = RequestBook(redis_client, KEYS, settings, PoolState(planner))
+    tokenizer = Tokenizer.from_file(str(ensure_tiny_model() / "tokenizer.json"))
+    book.use_model(tokenizer, None, tokenizer.get_vocab_size())
+    ensure_groups(redis_client, KEYS)
+    stream = KEYS.request_stream(0)
+
+    def delivered() -> Delivery:
+        redis_client.xadd(stream, {FIELD: msgpack.packb(GOOD | {"id": "again"})})
+        ((_, [(entry_id, fields)]),) = redis_client.xreadgroup(GROUP, "pool", {stream: ">"})
+        return Delivery(entry_id, fields, 1, stream)
+
+    book.accept([delivered()], resume=False)
+    final = ResultChunk(id="again", seq=0, index=0, token_ids=[5], finish_reason="length")
+    redis_client.xadd(KEYS.result("again"), {FIELD: encode(final), "seq": 0, "final": 1})
+    again = delivered()
+    book.accept([again], resume=False)
+    assert redis_client.xlen(KEYS.dead) == 0
+    assert again.entry_id not in [e for e, _ in redis_client.xrange(stream)]  # settled
+    assert redis_client.xpending(stream, GROUP)["pending"] == 1

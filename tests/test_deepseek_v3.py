@@ -24,8 +24,11 @@ from tests.conftest import StartPool
 from tests.helpers import TIE_TOLERANCE, check_stream, random_prompt, wait_until
 from tests.reference import (
     ReferenceCompletion,
+    beside_differs,
     first_divergence,
     hf_greedy,
+    launch_shapes,
+    layer_kits,
     lone_runs,
 )
 
@@ -48,6 +51,22 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def lone(path: Path, prompts: list[list[int]], max_tokens: int) -> list[ReferenceCompletion]:
     """Each prompt run alone on one rank holding every expert, no MTP."""
     return lone_runs(path, DTYPE, prompts, max_tokens, MAX_MODEL_LEN)
+
+
+@pytest.mark.parametrize("kit", list(layer_kits()))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_every_layer_kit_runs_v3_with_the_tokens_of_a_lone_run(
+    kit: str, dtype: str, checkpoints: dict[str, Path]
+) -> None:
+    """Plain torch layers, the CPU's with its kernels and without them: each serves the
+    model, a request's tokens the same whatever shares its launch."""
+    path, cpu = checkpoints["q_lora"], torch.device("cpu")
+    loaded = load_model(path, dtype, cpu, MAX_MODEL_LEN, kit=layer_kits()[kit]())
+    rng = random.Random(27)
+    prompts = [random_prompt(rng, n, make.VOCAB_SIZE) for n in (40, 130, 9)]
+    shapes = launch_shapes(4, MAX_MODEL_LEN, 128, 4)
+    problem = beside_differs(loaded.model, shapes, prompts, TIE_TOLERANCE)
+    assert problem is None, f"{kit}, {dtype}: {problem}"
 
 
 @pytest.mark.parametrize("kind", ["q_lora", "plain"])

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import fields
 from pathlib import Path
 
@@ -24,12 +24,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from npu_worker.kernels import kit_for
 from npu_worker.models.config import UnsupportedModel
 from npu_worker.models.deepseek_v4.config import DeepseekV4Config, state_elements_per_slot
 from npu_worker.models.deepseek_v4.model import DeepseekV4CausalLM
 from npu_worker.models.deepseek_v4.state import DeepseekV4State
-from npu_worker.models.kit import LayerKit, TorchKit
 from npu_worker.models.launch import LaunchInputs
 from npu_worker.runner import LaunchRunner
 from npu_worker.weights.loader import load_model
@@ -40,10 +38,11 @@ from tests.conftest import StartPool
 from tests.helpers import TIE_TOLERANCE, check_stream, random_prompt, wait_until
 from tests.reference import (
     ReferenceCompletion,
+    beside_differs,
     first_divergence,
-    generate_alone,
     hf_greedy,
     launch_shapes,
+    layer_kits,
     lone_runs,
     prefill_logits,
 )
@@ -144,39 +143,20 @@ def test_indexer_ties_go_to_the_lowest_entries_whatever_the_span(
     assert torch.equal(alone[0], beside)
 
 
-KITS: dict[str, Callable[[], LayerKit]] = {
-    "torch": TorchKit,
-    "cpu": lambda: kit_for(torch.device("cpu")),
-    "cpu-without-kernels": lambda: kit_for(torch.device("cpu"), decode_kernel=False),
-}
-
-
-@pytest.mark.parametrize("kit", list(KITS))
+@pytest.mark.parametrize("kit", list(layer_kits()))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_every_layer_kit_runs_v4_with_the_tokens_of_a_lone_run(
     kit: str, dtype: str, checkpoints: dict[str, Path]
 ) -> None:
     """Plain torch layers, the CPU's with its kernels and without them: each serves the
     model, a request's tokens the same whatever shares its launch."""
-    path = checkpoints["small"]
-    loaded = load_model(path, dtype, torch.device("cpu"), MAX_MODEL_LEN, kit=KITS[kit]())
-    shapes = launch_shapes(4, MAX_MODEL_LEN, 128, 4)
+    path, cpu = checkpoints["small"], torch.device("cpu")
+    loaded = load_model(path, dtype, cpu, MAX_MODEL_LEN, kit=layer_kits()[kit]())
     rng = random.Random(25)
     prompts = [random_prompt(rng, n, make.VOCAB_SIZE) for n in (40, 130, 9)]
-    runner = LaunchRunner(loaded.model, shapes)
-    alone = [
-        generate_alone(runner, p, 2, set(), MAX_MODEL_LEN, slot=s) for s, p in enumerate(prompts)
-    ]
-    beside = LaunchRunner(loaded.model, shapes)  # a fresh state: the rows share one launch
-    for slot, prompt in enumerate(prompts):
-        for start in range(0, len(prompt), 128):
-            prefill_logits(beside, slot, prompt[start : start + 128], start)
-    positions = [len(p) for p in prompts]
-    together = beside.decode([0, 1, 2], [r.token_ids[0] for r in alone], positions)
-    for slot, reference in enumerate(alone):
-        assert int(together[slot].argmax()) == reference.token_ids[1] or (
-            reference.top2_gaps[1] <= TIE_TOLERANCE
-        ), f"{kit}, {dtype}: prompt of {positions[slot]}"
+    shapes = launch_shapes(4, MAX_MODEL_LEN, 128, 4)
+    problem = beside_differs(loaded.model, shapes, prompts, TIE_TOLERANCE)
+    assert problem is None, f"{kit}, {dtype}: {problem}"
 
 
 def test_a_pool_without_the_decode_kernel_serves_v4(
