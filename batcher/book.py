@@ -62,6 +62,7 @@ class RequestBook:
         self.settler = Settler(client, keys)
         self.counts = PoolCounts()
         self.limits: dict[str, int] = {"max_queue": settings.max_queue}
+        self.tenants = settings.tenant_table()
         self.new_epoch(state)
 
     def new_epoch(self, state: PoolState) -> None:
@@ -117,6 +118,7 @@ class RequestBook:
                     self.facts,
                     self.settings.max_request_bytes,
                     self.chat,
+                    self.tenants,
                 )
             except DeadLetter as exc:
                 write_dead_letter(pipe, self.keys, d.stream, d.entry_id, d.fields, str(exc))

@@ -41,6 +41,7 @@ def rank_plans(
                 start_seq=entry.start_seq,
                 admission=seq.admission,
                 result_ttl_s=entry.ttl_s(settings.result_ttl_s),
+                tenant=entry.request.tenant,
             )
         )
     for launch in plan.decode_launches:

@@ -17,6 +17,7 @@ from typing import Any, cast
 import redis
 
 from schemas.keys import GROUP, Keys
+from schemas.tenants import request_streams
 
 
 @dataclass(slots=True)
@@ -30,8 +31,8 @@ class Delivery:
 
 
 def ensure_groups(client: redis.Redis, keys: Keys) -> None:
-    """Create the consumer group on every class's request stream (and the stream)."""
-    for stream in keys.request_streams:
+    """Create the consumer group on every request stream (and the stream)."""
+    for stream in request_streams(client, keys):
         with contextlib.suppress(redis.ResponseError):  # BUSYGROUP: it exists already
             client.xgroup_create(stream, GROUP, id="0", mkstream=True)
 
@@ -41,7 +42,7 @@ def claim_own_pending(
 ) -> list[Delivery]:
     """Every entry still pending for this pool's consumer, claimed back (counting a delivery)."""
     deliveries: list[Delivery] = []
-    for stream in keys.request_streams:
+    for stream in request_streams(client, keys):
         start = "-"
         while True:
             pending = cast(
@@ -116,7 +117,7 @@ def claim_orphans(
     """Claim up to `count` entries idle longer than a lease, from pools that are gone
     (highest priority class first)."""
     found: list[Delivery] = []
-    for stream in keys.request_streams:
+    for stream in request_streams(client, keys):
         if len(found) >= count:
             break
         reply = cast(

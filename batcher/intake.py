@@ -15,6 +15,7 @@ from schemas.codec import DeadLetter, Rejected, decode_request
 from schemas.keys import FIELD, GROUP, Keys, priority_class
 from schemas.messages import ErrorInfo, FinishReason, GenerateRequest, ResultChunk, Usage
 from schemas.results import ResultWriter
+from schemas.tenants import Tenants
 
 # A request that was on this many ranks when they died runs alone on a rank from then on,
 # so a request that kills its rank charges its next death to itself, not to its neighbours.
@@ -66,11 +67,19 @@ def parse_entry(
     facts: ModelFacts,
     max_request_bytes: int,
     chat: ChatTemplate | None = None,
+    tenants: Tenants | None = None,
 ) -> tuple[GenerateRequest, list[int]]:
     """Decode and validate one entry's payload; raises DeadLetter or Rejected."""
     if raw is None:
         raise DeadLetter(f"entry has no field `{FIELD}`")
     request = decode_request(raw, max_request_bytes)
+    if tenants is not None and tenants.get(request.tenant) is None:
+        raise Rejected(
+            request.id,
+            "invalid_request",
+            f"field `tenant`: unknown tenant {request.tenant!r}: the pool's tenants file "
+            "does not name it",
+        )
     if request.prompt_token_ids is not None:
         prompt_ids = list(request.prompt_token_ids)
         bad = [t for t in prompt_ids if t >= facts.vocab_size]
@@ -135,6 +144,7 @@ def make_sequence(tracked: Tracked, order: int, max_model_len: int, aging_s: flo
     seq = Sequence(
         request.id, num_context, max_new, order, rank_by, priority_class(request.priority)
     )
+    seq.tenant = request.tenant
     seq.isolated = tracked.rank_deaths >= SUSPECT_AFTER_DEATHS
     seq.admission = tracked.seq.admission + 1 if tracked.seq is not None else 1
     return seq
@@ -223,6 +233,7 @@ def end_by_batcher(
         finish_reason=reason,
         error=error,
         usage=Usage(prompt_tokens=len(tracked.prompt_ids), completion_tokens=num_done),
+        tenant=tracked.request.tenant,
     )
     writer.append(pipe, chunk, tracked.ttl_s(ttl_s))
 

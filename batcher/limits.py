@@ -17,6 +17,7 @@ import redis
 from schemas.config import Settings
 from schemas.connection import hash_fields
 from schemas.keys import Keys
+from schemas.tenants import Tenants
 
 LIMITS = ("max_queue", "max_request_bytes", "max_model_len")
 POOL_PREFIX = "pool:"
@@ -69,3 +70,18 @@ def read_pool_limits(client: redis.Redis, keys: Keys) -> dict[str, dict[str, int
 def strictest(limits: list[dict[str, int]]) -> dict[str, int]:
     """The smallest value of each limit over several pools'."""
     return {name: min(v[name] for v in limits if name in v) for name in LIMITS}
+
+
+def publish_tenants(client: redis.Redis, keys: Keys, tenants: Tenants | None) -> None:
+    """Tell admission which tenants the namespace allows and their `max_queue`: with a
+    tenants file, those it names (and `default`) and nothing else; without one, any name.
+    Pools that share a namespace share one tenants file."""
+    pipe = client.pipeline(transaction=True)
+    pipe.delete(keys.tenants)
+    if tenants is None:
+        pipe.hdel(keys.limits, "tenants_required")
+    else:
+        quotas = {name: t.max_queue or "" for name, t in tenants.tenants.items()}
+        pipe.hset(keys.tenants, mapping=quotas)  # type: ignore[arg-type]
+        pipe.hset(keys.limits, "tenants_required", 1)
+    pipe.execute()

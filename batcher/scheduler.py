@@ -10,9 +10,12 @@ launches, and lists the running requests their ranks must end (stopped or preemp
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
+from batcher.fairness import EPSILON, TenantShare, at_cap, fair_order, fair_shares, share_of
 from schemas.control import PREEMPTED, PrefillChunk
+from schemas.keys import DEFAULT_TENANT
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +34,8 @@ class PlannerConfig:
     prefill_segments: int = 8  # requests in one packed prefill launch, at most
     # steps a rank's decode rows may wait while its prefill backlog drains (0: every step)
     decode_stall_steps: int = 0
+    # tenants' weights and caps (batcher/fairness.py); a tenant not named: weight 1, no cap
+    tenants: dict[str, TenantShare] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         for name in (
@@ -70,6 +75,7 @@ class Sequence:
     # which admission of the request this is, counted by the book each time it queues:
     # its rank's outcomes name it, and outcomes of an earlier one are stale
     admission: int = 0
+    tenant: str = DEFAULT_TENANT  # whose request it is: tenants share the pool fairly
 
     @property
     def is_admitted(self) -> bool:
@@ -166,6 +172,10 @@ class PoolState:
         """How many more requests could be admitted now."""
         return max(0, min(self.config.max_num_seqs - len(self.running), self.num_free_slots()))
 
+    def capacity(self) -> int:
+        """How many requests the live ranks could run at once."""
+        return min(self.config.max_num_seqs, self.config.kv_slots_per_rank * len(self.ranks))
+
 
 def plan_step(state: PoolState) -> StepPlan:
     """Admit what fits (preempting for much more urgent requests), then plan decode for every
@@ -173,6 +183,7 @@ def plan_step(state: PoolState) -> StepPlan:
     backlog exceeds one step, for at most `decode_stall_steps` steps in a row), then prefill
     chunks. A full pool always decodes: finishing requests is what lets queued ones in."""
     plan = StepPlan(admitted=_admit(state), preempted=_preempt(state))
+    plan.preempted += _preempt_for_share(state)
     plan.stops = state.stops + [PlannedStop(seq, PREEMPTED) for seq in plan.preempted]
     state.stops = []
     by_rank: dict[int, list[Sequence]] = {r: [] for r in sorted(state.ranks)}
@@ -233,18 +244,35 @@ def join_rank(state: PoolState, rank: int) -> None:
 
 
 def _admit(state: PoolState) -> list[Sequence]:
+    """Admit waiting requests while there is room: most urgent first, and with several
+    tenants waiting, in their fair order (batcher/fairness.py); none of a tenant at its
+    `max_running`."""
     admitted: list[Sequence] = []
     state.waiting.sort(key=lambda s: (-s.urgency, s.order))
-    while state.waiting and state.room() > 0:
-        seq = state.waiting[0]
+    if not state.waiting or state.room() <= 0:
+        return admitted
+    tenants = state.config.tenants
+    order, held = state.waiting, None
+    if tenants or any(s.tenant != order[0].tenant for s in order):
+        held = Counter(s.tenant for s in state.running.values())
+        order = fair_order(order, held, tenants)
+    for seq in order:
+        if state.room() <= 0:
+            break
+        if held is not None and at_cap(tenants, seq.tenant, held):
+            continue
         rank = _pick_rank(state, seq.isolated)
         if rank is None:  # an isolated request waits for a rank to empty; the queue with it
             break
-        state.waiting.pop(0)
         seq.rank = rank
         seq.slot = state.free_slots[rank].pop(0)
         state.running[seq.request_id] = seq
         admitted.append(seq)
+        if held is not None:
+            held[seq.tenant] += 1
+    if admitted:
+        taken = {id(s) for s in admitted}
+        state.waiting = [s for s in state.waiting if id(s) not in taken]
     return admitted
 
 
@@ -272,6 +300,54 @@ def _preempt(state: PoolState) -> list[Sequence]:
             break
         victim.stopping = victim.preempting = True
         preempted.append(victim)
+    return preempted
+
+
+def _preempt_for_share(state: PoolState) -> list[Sequence]:
+    """With several tenants and every slot taken, waiting requests of a tenant under its
+    fair share take slots from the tenant most over its own (its least urgent, newest
+    request of the same priority class or lower), until neither would pass its share: so no
+    slot is taken back and forth. Slots being given back already go to the waiting first."""
+    config = state.config
+    if config.preempt_margin is None or not state.waiting:
+        return []
+    running = [s for s in state.running.values() if s.rank in state.ranks]
+    occupancy = Counter(s.tenant for s in running if not s.stopping)
+    active = occupancy.keys() | {s.tenant for s in state.waiting}
+    if len(active) < 2:
+        return []
+    shares = fair_shares(active, state.capacity(), config.tenants)
+    freeing = state.room() + len(running) - sum(occupancy.values())
+    victims: dict[str, list[Sequence]] = {}
+    for seq in _victims(state):
+        victims.setdefault(seq.tenant, []).append(seq)
+    preempted: list[Sequence] = []
+    for seq in fair_order(state.waiting, occupancy, config.tenants):
+        tenant = seq.tenant
+        if at_cap(config.tenants, tenant, occupancy):
+            continue
+        if freeing > 0:
+            freeing -= 1
+            occupancy[tenant] += 1
+            continue
+        if occupancy[tenant] + 1 > shares[tenant] + EPSILON:
+            continue
+        donors = [
+            name
+            for name, seqs in victims.items()
+            if name != tenant
+            and seqs
+            and occupancy[name] - 1 >= shares[name] - EPSILON
+            and seqs[0].priority <= seq.priority
+        ]
+        if not donors:
+            continue
+        donor = max(donors, key=lambda n: (occupancy[n] / share_of(config.tenants, n).weight, n))
+        victim = victims[donor].pop(0)
+        victim.stopping = victim.preempting = True
+        preempted.append(victim)
+        occupancy[donor] -= 1
+        occupancy[tenant] += 1
     return preempted
 
 

@@ -35,9 +35,10 @@ from batcher.durability import (
     live_pools,
     orphaned_pools,
 )
-from batcher.limits import publish_limits, withdraw_limits
+from batcher.fairness import TenantShare
+from batcher.limits import publish_limits, publish_tenants, withdraw_limits
 from batcher.metrics import BatcherMetrics
-from batcher.queue import QueueReader
+from batcher.queue import Holding, QueueReader
 from batcher.ranks import RankRegistry
 from batcher.scheduler import (
     PlannerConfig,
@@ -56,6 +57,7 @@ from schemas.messages import FinishReason
 from schemas.metrics import serve_metrics
 from schemas.registry import BatcherState, PoolField
 from schemas.sentinel import primary_of
+from schemas.tenants import request_streams
 
 log = logging.getLogger("npu_pool.batcher")
 GAUGES = ("running", "waiting", "queue_depth")
@@ -75,6 +77,12 @@ class Batcher:
         self.lease_ms = int(settings.rank_timeout_s * 1000)
         self.stopping = False
         self.queue_depth = 0
+        table = settings.tenant_table()
+        self.tenant_table = table
+        self.tenants = {
+            name: TenantShare(t.weight, t.max_running)
+            for name, t in (table.tenants.items() if table is not None else ())
+        }
         self.metrics = (
             BatcherMetrics(self.pool, self._gauges_and_counts, gauges=set(GAUGES))
             if settings.metrics_port
@@ -115,6 +123,7 @@ class Batcher:
             preempt_margin=s.preempt_margin if s.preemption else None,
             prefill_segments=s.prefill_segments,
             decode_stall_steps=s.decode_stall_steps,
+            tenants=self.tenants,
         )
         return PoolState(config, live_ranks=set())
 
@@ -231,6 +240,7 @@ class Batcher:
             self._reset()
         ensure_groups(self.redis, self.keys)
         self._publish_limits()
+        publish_tenants(self.redis, self.keys, self.tenant_table)
         pool_key = self.keys.pool(self.pool)
         self.epoch = int(self.redis.hincrby(pool_key, PoolField.EPOCH, 1))
         self.primary = primary_of(self.redis)
@@ -385,14 +395,26 @@ class Batcher:
         self.last_intake = now
         threshold = preempt_threshold(self.state)
         preempting = (float("inf"), 0) if threshold is None else (threshold, 1)
-        reply = self.queue.read(max(0, wanted), self.book.limits["max_queue"], *preempting)
+        reply = self.queue.read(
+            max(0, wanted), self.book.limits["max_queue"], *preempting, self._holding()
+        )
         self.queue_depth = reply.depth
         self.book.reject_excess(reply.excess)
         if reply.deliveries:
             self.book.accept(reply.deliveries, resume=False)
         elif block_ms and not reply.excess:
-            streams: dict[Any, Any] = {stream: "$" for stream in self.keys.request_streams}
+            queued = request_streams(self.redis, self.keys)
+            streams: dict[Any, Any] = {stream: "$" for stream in queued}
             self.redis.xread(streams, count=1, block=block_ms)
+
+    def _holding(self) -> Holding:
+        """What the pool holds of each tenant's work, for the intake's fair order (with
+        preemption off, no tenant is delivered more than there is room for)."""
+        held: dict[str, int] = {}
+        for seq in (*self.state.running.values(), *self.state.waiting):
+            held[seq.tenant] = held.get(seq.tenant, 0) + 1
+        capacity = self.state.capacity() if self.settings.preemption else 0
+        return Holding(capacity, held, self.tenants)
 
     # -- steps ----------------------------------------------------------------------------
 

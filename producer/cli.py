@@ -27,6 +27,7 @@ SUBMIT_FLAGS = {
     "top_p": "--top-p",
     "seed": "--seed",
     "id": "--id",
+    "tenant": "--tenant",
     "prompt": "PROMPT",
 }
 
@@ -78,6 +79,9 @@ def submit_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--json", action="store_true", help="print the Completion as JSON")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait")
+    parser.add_argument(
+        "--tenant", default=None, help="the tenant to queue it for (default: default)"
+    )
     add_connection_flags(parser)
     return parser
 
@@ -102,6 +106,7 @@ def submit_main(argv: list[str]) -> int:
             temperature=args.temperature,
             top_p=args.top_p,
             seed=args.seed,
+            **({"tenant": args.tenant} if args.tenant is not None else {}),
         )
     except ValidationError as exc:
         print(f"npu-pool submit: {invalid_reason(exc, SUBMIT_FLAGS)}", file=sys.stderr)

@@ -15,6 +15,7 @@ from producer.requests import (
     QueueFull,
     RequestFailed,
     RequestTooLarge,
+    UnknownTenant,
     admission_call,
     assemble,
     build_request,
@@ -42,6 +43,7 @@ __all__ = [
     "QueueFull",
     "RequestFailed",
     "RequestTooLarge",
+    "UnknownTenant",
 ]
 
 BLOCK_MS = 1000
@@ -57,10 +59,12 @@ class Client:
         max_queue: int | None = None,
         connection: redis.Redis | None = None,
         min_replicas_ack: int | None = None,
+        tenant: str | None = None,
     ) -> None:
         settings = Settings()
         self.keys = Keys(namespace or settings.namespace)
         self.max_queue = max_queue  # a bound of this client's own, under the namespace's
+        self.tenant = tenant  # the tenant of requests that name none
         if connection is not None:  # an open connection (an RQ job's): no URL to resolve
             self.url, self.redis = redis_url or "", connection
         else:
@@ -79,7 +83,10 @@ class Client:
         request_id: str | None = None,
         **options: Any,
     ) -> str:
-        """Enqueue a request; returns its id. Raises QueueFull when the queue is at max_queue."""
+        """Enqueue a request; returns its id. Raises QueueFull when the queue (or the
+        tenant's share of it) is at max_queue, UnknownTenant for a tenant the pool refuses."""
+        if self.tenant is not None:
+            options.setdefault("tenant", self.tenant)
         return self.enqueue(build_request(prompt, prompt_token_ids, request_id, options))
 
     def enqueue(
@@ -89,13 +96,13 @@ class Client:
         the same atomic step. Raises QueueFull when the queue is at max_queue."""
         keys, args = admission_call(self.keys, request, self.max_queue, mark)
         if not self.min_replicas_ack:
-            parse_admission(self._admit(keys=keys, args=args))
+            parse_admission(self._admit(keys=keys, args=args), request.tenant)
             return request.id
         pipe = self.redis.pipeline(transaction=False)  # WAIT counts this connection's writes
         self._admit(keys=keys, args=args, client=pipe)
         pipe.wait(self.min_replicas_ack, self.ack_timeout_ms)
         reply, acked = pipe.execute()
-        parse_admission(reply)
+        parse_admission(reply, request.tenant)
         if acked < self.min_replicas_ack:
             raise NotReplicated(request.id, acked, self.min_replicas_ack)
         if not still_primary(self.redis):
@@ -183,10 +190,12 @@ class AsyncClient:
         max_connections: int = 32,
         max_stream_connections: int = 16,
         min_replicas_ack: int | None = None,
+        tenant: str | None = None,
     ) -> None:
         settings = Settings()
         self.keys = Keys(namespace or settings.namespace)
         self.max_queue = max_queue  # a bound of this client's own, under the namespace's
+        self.tenant = tenant  # the tenant of requests that name none
         self.url = resolve_redis_url(redis_url or settings.redis_url)
         wanted = settings.min_replicas_ack if min_replicas_ack is None else min_replicas_ack
         self.min_replicas_ack = replicas_to_wait(self.url, wanted)
@@ -205,17 +214,20 @@ class AsyncClient:
         request_id: str | None = None,
         **options: Any,
     ) -> str:
-        """Enqueue a request; returns its id. Raises QueueFull when the queue is at max_queue."""
+        """Enqueue a request; returns its id. Raises QueueFull when the queue (or the
+        tenant's share of it) is at max_queue, UnknownTenant for a tenant the pool refuses."""
+        if self.tenant is not None:
+            options.setdefault("tenant", self.tenant)
         request = build_request(prompt, prompt_token_ids, request_id, options)
         keys, args = admission_call(self.keys, request, self.max_queue)
         if not self.min_replicas_ack:
-            parse_admission(await self._admit(keys=keys, args=args))
+            parse_admission(await self._admit(keys=keys, args=args), request.tenant)
             return request.id
         pipe = self.redis.pipeline(transaction=False)  # WAIT counts this connection's writes
         await self._admit(keys=keys, args=args, client=pipe)
         pipe.wait(self.min_replicas_ack, self.ack_timeout_ms)
         reply, acked = await pipe.execute()
-        parse_admission(reply)
+        parse_admission(reply, request.tenant)
         if acked < self.min_replicas_ack:
             raise NotReplicated(request.id, acked, self.min_replicas_ack)
         if not await still_primary_async(self.redis):

@@ -16,6 +16,7 @@ from schemas.codec import CodecError, decode, request_id_of
 from schemas.connection import Entry
 from schemas.keys import FIELD, GROUP, Keys
 from schemas.messages import ResultChunk
+from schemas.tenants import request_streams
 
 PAGE = 500  # entries read per XRANGE while looking through a request stream
 
@@ -53,7 +54,7 @@ def find_request(client: redis.Redis, keys: Keys, request_id: str) -> RequestSta
 
 def _queue_entry(client: redis.Redis, keys: Keys, request_id: str) -> tuple[str, bytes] | None:
     """The (stream, entry id) of the request's entry in any priority class's stream."""
-    for stream in keys.request_streams:
+    for stream in request_streams(client, keys):
         start: Any = "-"
         while True:
             entries = cast(list[Entry], client.xrange(stream, min=start, count=PAGE))

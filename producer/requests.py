@@ -12,20 +12,28 @@ import redis
 from pydantic import ValidationError
 
 from schemas.codec import encode
-from schemas.keys import Keys
+from schemas.keys import DEFAULT_TENANT, Keys
 from schemas.messages import Completion, GenerateRequest, ResultChunk, SamplingParams
+from schemas.tenants import MAX_TENANT_STREAMS
 
-# Admission: one atomic step that counts the outstanding requests over every priority
-# class, checks the namespace's limits (published by its batchers in `{ns}:limits`; a
-# client's own bound may only lower them) and adds the entry to its class's stream.
-# KEYS: the class streams, the limits hash, optionally a hash to mark in the same step.
+# Admission: one atomic step that counts the outstanding requests over every request
+# stream (each class's and the tenants' streams in use), checks the namespace's limits
+# (published by its batchers in `{ns}:limits`; a client's own bound may only lower them)
+# and the tenant's (`{ns}:tenants`, when a tenants file names them), and adds the entry to
+# its tenant's class stream, listing that stream in `{ns}:queues` the first time.
+# KEYS: `default`'s class streams, the limits hash, the queues hash, the tenants hash, the
+# target stream, optionally a hash to mark in the same step.
 # ARGV: number of class streams, the client's bound (0: none), the bound when no pool has
-# published one, index of the target stream (1-based), the encoded request, then the
-# mark's field and value. Returns the entry id, {"full", depth, bound} or
+# published one, the tenant, the encoded request, the mark's field and value, the most
+# tenant streams a namespace holds. Returns the entry id, {"full", depth, bound},
+# {"tenant_full", depth, bound}, {"unknown_tenant"}, {"too_many_tenants", count} or
 # {"too_large", size, limit}.
 ADMIT_SCRIPT = """
 local n = tonumber(ARGV[1])
-local limits = redis.call('HMGET', KEYS[n + 1], 'max_queue', 'max_request_bytes')
+local queues_key, tenants_key, target = KEYS[n + 2], KEYS[n + 3], KEYS[n + 4]
+local tenant = ARGV[4]
+local limits = redis.call('HMGET', KEYS[n + 1], 'max_queue', 'max_request_bytes',
+                          'tenants_required')
 local bound = tonumber(limits[1]) or tonumber(ARGV[3])
 local own = tonumber(ARGV[2])
 if own > 0 and own < bound then bound = own end
@@ -33,14 +41,38 @@ local max_bytes = tonumber(limits[2])
 if max_bytes and #ARGV[5] > max_bytes then
   return {'too_large', #ARGV[5], max_bytes}
 end
-local depth = 0
-for i = 1, n do depth = depth + redis.call('XLEN', KEYS[i]) end
+local quota = redis.call('HGET', tenants_key, tenant)
+if not quota and limits[3] == '1' and tenant ~= 'default' then
+  return {'unknown_tenant'}
+end
+local tenant_bound = tonumber(quota)
+local depth, tenant_depth = 0, 0
+for i = 1, n do
+  local size = redis.call('XLEN', KEYS[i])
+  depth = depth + size
+  if tenant == 'default' then tenant_depth = tenant_depth + size end
+end
+local queues = redis.call('HGETALL', queues_key)
+local listed = tenant == 'default'
+for i = 1, #queues, 2 do
+  local size = redis.call('XLEN', queues[i])
+  depth = depth + size
+  if queues[i + 1] == tenant then tenant_depth = tenant_depth + size end
+  if queues[i] == target then listed = true end
+end
 if depth >= bound then
   return {'full', depth, bound}
 end
-local id = redis.call('XADD', KEYS[tonumber(ARGV[4])], '*', 'm', ARGV[5])
-if KEYS[n + 2] then
-  redis.call('HSET', KEYS[n + 2], ARGV[6], ARGV[7])
+if tenant_bound and tenant_depth >= tenant_bound then
+  return {'tenant_full', tenant_depth, tenant_bound}
+end
+if not listed then
+  if #queues / 2 >= tonumber(ARGV[8]) then return {'too_many_tenants', #queues / 2} end
+  redis.call('HSET', queues_key, target, tenant)
+end
+local id = redis.call('XADD', target, '*', 'm', ARGV[5])
+if KEYS[n + 5] then
+  redis.call('HSET', KEYS[n + 5], ARGV[6], ARGV[7])
 end
 return id
 """
@@ -48,14 +80,28 @@ DEFAULT_MAX_QUEUE = 10000  # the bound while no pool of the namespace has publis
 
 
 class QueueFull(RuntimeError):
-    """The namespace holds `max_queue` outstanding requests; nothing was enqueued."""
+    """The namespace holds `max_queue` outstanding requests, or the request's tenant holds
+    its own `max_queue` (`tenant` names it); nothing was enqueued."""
 
-    def __init__(self, depth: int, max_queue: int) -> None:
+    def __init__(self, depth: int, max_queue: int, tenant: str | None = None) -> None:
+        whose = f"tenant {tenant!r} has" if tenant is not None else "the namespace has"
         super().__init__(
-            f"queue full: {depth} outstanding requests (max_queue={max_queue}); retry later"
+            f"queue full: {whose} {depth} outstanding requests (max_queue={max_queue}); retry later"
         )
         self.depth = depth
         self.max_queue = max_queue
+        self.tenant = tenant
+
+
+class UnknownTenant(ValueError):
+    """The request names a tenant the namespace's tenants file does not (or the namespace
+    holds as many tenants' streams as it may); nothing was enqueued."""
+
+    def __init__(self, tenant: str, detail: str = "") -> None:
+        super().__init__(
+            detail or f"unknown tenant {tenant!r}: the pool's tenants file does not name it"
+        )
+        self.tenant = tenant
 
 
 class NotReplicated(redis.ConnectionError):
@@ -126,7 +172,7 @@ def build_request(
 ) -> GenerateRequest:
     """A GenerateRequest from `submit` arguments; unknown keywords are a TypeError."""
     sampling = {k: options.pop(k) for k in list(options) if k in SAMPLING_FIELDS}
-    allowed = {"messages", "priority", "deadline_ms", "result_ttl_s", "metadata"}
+    allowed = {"messages", "priority", "deadline_ms", "tenant", "result_ttl_s", "metadata"}
     unknown = set(options) - allowed
     if unknown:
         raise TypeError(f"unknown submit() keyword(s): {', '.join(sorted(unknown))}")
@@ -147,27 +193,40 @@ def admission_call(
 ) -> tuple[list[str], list[str | int | bytes]]:
     """The KEYS and ARGV of the admission script for one request."""
     streams = keys.request_streams
-    target = streams.index(keys.request_stream(request.priority)) + 1
-    script_keys = [*streams, keys.limits]
+    target = keys.tenant_stream(request.tenant, request.priority)
+    script_keys = [*streams, keys.limits, keys.queues, keys.tenants, target]
     args: list[str | int | bytes] = [
         len(streams),
         max_queue or 0,
         DEFAULT_MAX_QUEUE,
-        target,
+        request.tenant,
         encode(request),
+        mark[1] if mark is not None else "",
+        mark[2] if mark is not None else "",
+        MAX_TENANT_STREAMS,
     ]
     if mark is not None:
         script_keys.append(mark[0])
-        args += [mark[1], mark[2]]
     return script_keys, args
 
 
-def parse_admission(reply: Any) -> str:
-    """The entry id from the admission script, or QueueFull / RequestTooLarge."""
+def parse_admission(reply: Any, tenant: str = DEFAULT_TENANT) -> str:
+    """The entry id from the admission script, or QueueFull / UnknownTenant /
+    RequestTooLarge."""
     if isinstance(reply, list):
         kind = reply[0].decode() if isinstance(reply[0], bytes) else str(reply[0])
         if kind == "too_large":
             raise RequestTooLarge(int(reply[1]), int(reply[2]))
+        if kind == "unknown_tenant":
+            raise UnknownTenant(tenant)
+        if kind == "too_many_tenants":
+            raise UnknownTenant(
+                tenant,
+                f"tenant {tenant!r} refused: the namespace holds {int(reply[1])} tenants' "
+                "request streams already; name tenants in a tenants file",
+            )
+        if kind == "tenant_full":
+            raise QueueFull(int(reply[1]), int(reply[2]), tenant)
         raise QueueFull(int(reply[1]), int(reply[2]))
     return reply.decode() if isinstance(reply, bytes) else str(reply)
 

@@ -12,6 +12,7 @@ from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from schemas.registry import LaunchShapes
+from schemas.tenants import Tenants, load_tenants
 
 # `--model` names that are not paths: models built (tiny, small) or imported (smollm2) into
 # the cache on first use (npu_worker/weights/presets.py).
@@ -121,7 +122,13 @@ class Settings(BaseSettings):
         ge=0.0,
         description="preempt a running request for a waiting one this much more urgent",
     )
-    preemption: bool = Field(default=True, description="let urgent requests take busy slots")
+    preemption: bool = Field(
+        default=True,
+        description="let urgent requests, and tenants below their share, take busy slots",
+    )
+    tenants: str | None = Field(
+        default=None, description="tenants file (TOML): weights, quotas, API keys"
+    )
     max_request_bytes: int = Field(default=1 << 20, ge=256, description="largest entry accepted")
     max_deliveries: int = Field(default=5, ge=1, description="deliveries before an entry is dead")
     result_ttl_s: int = Field(default=3600, ge=1, description="result stream lifetime")
@@ -144,9 +151,15 @@ class Settings(BaseSettings):
             )
         if self.dtype == "float64" and self.device not in ("cpu", "auto"):
             raise ValueError(f"dtype float64 is for the CPU only, not device={self.device}")
+        if self.tenants is not None:
+            load_tenants(self.tenants)  # a bad file stops the command that reads it, saying why
         if self.expert_parallel:
             self.lockstep = True  # collectives in every launch: every rank runs them all
         return self
+
+    def tenant_table(self) -> Tenants | None:
+        """The tenants file's contents (None: no file, every tenant allowed, weight 1)."""
+        return load_tenants(self.tenants) if self.tenants is not None else None
 
     @property
     def max_kv_len(self) -> int:

@@ -12,6 +12,7 @@ from typing import Any
 
 import msgpack
 
+from schemas.keys import DEFAULT_TENANT
 from schemas.messages import SamplingParams
 
 PREEMPTED = "preempted"  # a SlotStop reason: give the slot back unfinished
@@ -30,6 +31,7 @@ class NewRequest:
     start_index: int = 0  # completion index of its next token (after a resumption)
     start_seq: int = 0  # next chunk number on its result stream
     admission: int = 0  # which admission of the request this is
+    tenant: str = DEFAULT_TENANT  # named on its final chunk
 
     def to_wire(self) -> list[Any]:
         """The msgpack array form."""
@@ -43,6 +45,7 @@ class NewRequest:
             self.start_index,
             self.start_seq,
             self.admission,
+            self.tenant,
         ]
 
     @classmethod

@@ -11,11 +11,21 @@ FIELD = "m"
 MAX_PRIORITY = 9
 MIN_PRIORITY = -9
 PRIORITY_CLASSES = tuple(range(MAX_PRIORITY, MIN_PRIORITY - 1, -1))
+DEFAULT_TENANT = "default"  # the tenant of a request that names none
 
 
 def priority_class(priority: int) -> int:
     """The class (and so the request stream) of a priority: clamped to the class range."""
     return max(MIN_PRIORITY, min(MAX_PRIORITY, priority))
+
+
+def stream_class(stream: str) -> int:
+    """The priority class of a request stream, from its name (`...:p{c}`; none: class 0)."""
+    head, _, tail = stream.rpartition(":p")
+    try:
+        return int(tail) if head else 0
+    except ValueError:
+        return 0
 
 
 # Control streams are read as they arrive; these bound what they keep (approximately).
@@ -43,6 +53,25 @@ class Keys:
     def request_streams(self) -> list[str]:
         """Every class's request stream, highest priority first."""
         return [self.request_stream(c) for c in PRIORITY_CLASSES]
+
+    def tenant_stream(self, tenant: str, priority: int = 0) -> str:
+        """The request stream of a tenant's priority class: the class's own stream for
+        `default`, else `{ns}:tenant:{tenant}:requests:p{c}`."""
+        if tenant == DEFAULT_TENANT:
+            return self.request_stream(priority)
+        return f"{self.ns}:tenant:{tenant}:requests:p{priority_class(priority)}"
+
+    @property
+    def queues(self) -> str:
+        """Hash of the tenants' request streams in use: stream -> tenant (written by
+        admission; `default`'s class streams are always in use and never listed)."""
+        return f"{self.ns}:queues"
+
+    @property
+    def tenants(self) -> str:
+        """Hash of the tenants a tenants file names: tenant -> its `max_queue` ("" for
+        none), published by the batchers."""
+        return f"{self.ns}:tenants"
 
     @property
     def limits(self) -> str:

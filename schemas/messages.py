@@ -18,6 +18,8 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from schemas.keys import DEFAULT_TENANT
+
 SCHEMA_VERSION = 1
 REQUEST_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
 REQUEST_ID_RE = re.compile(REQUEST_ID_PATTERN)
@@ -25,6 +27,7 @@ MAX_METADATA_ITEMS = 32
 MAX_METADATA_CHARS = 1024
 MAX_LOGPROBS = 20
 MAX_CHAT_MESSAGES = 256
+TENANT_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"
 
 
 def _utf8(value: str) -> str:
@@ -125,6 +128,7 @@ class GenerateRequest(_Wire):
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     priority: int = 0
     deadline_ms: int | None = Field(default=None, ge=0)
+    tenant: Annotated[str, Field(pattern=TENANT_PATTERN)] = DEFAULT_TENANT
     result_ttl_s: int | None = Field(default=None, ge=1)
     metadata: dict[Text, Text] = Field(default_factory=dict, max_length=MAX_METADATA_ITEMS)
 
@@ -184,6 +188,7 @@ class ResultChunk(_Wire):
     error: ErrorInfo | None = None
     usage: Usage | None = None
     logprobs: list[dict[str, Any]] | None = None
+    tenant: str | None = None  # on the final chunk: whose request it was
 
     @property
     def is_final(self) -> bool:

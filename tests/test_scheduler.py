@@ -332,7 +332,8 @@ def test_lockstep_pads_every_rank_to_the_same_number_of_launches() -> None:
     [
         f.name
         for f in fields(PlannerConfig)
-        if f.name not in ("lockstep", "preempt_margin", "pack_prefill", "decode_stall_steps")
+        if f.name
+        not in ("lockstep", "preempt_margin", "pack_prefill", "decode_stall_steps", "tenants")
     ],
 )
 @pytest.mark.parametrize("value", [0, -1])

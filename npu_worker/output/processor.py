@@ -20,6 +20,7 @@ from tokenizers.decoders import DecodeStream
 from npu_worker.output.records import StepRecord, TokenRow
 from npu_worker.output.stops import StopStrings
 from schemas.control import PREEMPTED, NewRequest, RequestOutcome, SlotStop, StepResult
+from schemas.keys import DEFAULT_TENANT
 from schemas.messages import SCHEMA_VERSION
 
 log = logging.getLogger("npu_pool.worker")
@@ -39,6 +40,7 @@ class RequestOutput:
     min_tokens: int
     decoder: DecodeStream
     stops: StopStrings | None
+    tenant: str = DEFAULT_TENANT
 
 
 @dataclass(slots=True)
@@ -104,6 +106,7 @@ class OutputProcessor:
             min_tokens=new.sampling.min_tokens,
             decoder=DecodeStream(skip_special_tokens=True),
             stops=StopStrings(stops) if stops else None,
+            tenant=new.tenant,
         )
         # A resumed request's decoder and stop strings replay the tokens it published, so
         # they hold what they held then (part of a character, text that may begin a stop
@@ -189,6 +192,8 @@ class OutputProcessor:
             else None,
             "logprobs": logprobs,
         }
+        if final:
+            chunk["tenant"] = request.tenant
         output.chunks.append(
             Chunk(
                 request.request_id,

@@ -142,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("input", type=Path, help="JSONL file, one request per line")
     sub.add_argument("--out", type=Path, required=True, help="JSONL output (must not exist)")
     sub.add_argument("--window", type=int, default=32, help="requests in the pool at once")
+    sub.add_argument(
+        "--tenant", default="default", help="the tenant its requests queue for (default: default)"
+    )
     sub.add_argument("--job-timeout", type=int, default=24 * 3600, help="RQ job timeout, s")
     sub.add_argument("--retries", type=int, default=3, help="RQ retries of a run that raises")
     worker = command("worker", "run an RQ worker for batch jobs")
@@ -179,7 +182,13 @@ def main(argv: list[str]) -> int:
     if args.command == "submit":
         try:
             batch_id = submit(
-                client, args.input, args.out, args.window, args.job_timeout, args.retries
+                client,
+                args.input,
+                args.out,
+                args.window,
+                args.job_timeout,
+                args.retries,
+                args.tenant,
             )
         except BatchError as exc:
             print(f"npu-pool batch: {args.input}: {exc}", file=sys.stderr)

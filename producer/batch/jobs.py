@@ -21,6 +21,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import threading
 import time
 import uuid
@@ -40,7 +41,8 @@ from rq.serializers import JSONSerializer
 from producer.client import Client
 from producer.requests import SAMPLING_FIELDS, QueueFull, build_request
 from schemas.connection import hash_fields
-from schemas.keys import Keys
+from schemas.keys import DEFAULT_TENANT, Keys
+from schemas.messages import TENANT_PATTERN
 
 log = logging.getLogger("npu_pool.batch")
 
@@ -83,6 +85,7 @@ class BatchInfo:
     stalls: int = 0
     done_at_handback: int = -1
     error: str = ""
+    tenant: str = DEFAULT_TENANT  # the tenant its requests are queued for
 
     @classmethod
     def read(cls, client: redis.Redis, keys: Keys, batch_id: str) -> BatchInfo | None:
@@ -163,8 +166,10 @@ def submit(
     window: int = 32,
     job_timeout_s: int = 24 * 3600,
     retries: int = 3,
+    tenant: str = DEFAULT_TENANT,
 ) -> str:
     """Check the input, record the batch and enqueue its job; returns the batch id."""
+    check_tenant(client, tenant)
     lines, digest = read_input(input_path)
     if output_path.exists() and output_path.stat().st_size:
         raise BatchError(f"{output_path} exists and is not empty; choose another --out")
@@ -177,6 +182,7 @@ def submit(
         digest=digest,
         window=window,
         total=len(lines),
+        tenant=tenant,
     )
     pipe = client.redis.pipeline(transaction=False)
     pipe.hset(client.keys.batch(batch_id), mapping=cast(Any, vars(info)))
@@ -194,6 +200,16 @@ def submit(
         description=f"npu-pool batch {batch_id} ({len(lines)} requests)",
     )
     return batch_id
+
+
+def check_tenant(client: Client, tenant: str) -> None:
+    """BatchError unless the namespace would admit requests of `tenant` now."""
+    if not re.fullmatch(TENANT_PATTERN, tenant):
+        raise BatchError(f"--tenant={tenant!r}: must match {TENANT_PATTERN}")
+    required = client.redis.hget(client.keys.limits, "tenants_required")
+    named = tenant == DEFAULT_TENANT or client.redis.hexists(client.keys.tenants, tenant)
+    if required == b"1" and not named:
+        raise BatchError(f"--tenant={tenant!r}: the pool's tenants file does not name it")
 
 
 def run_batch(batch_id: str, namespace: str) -> int:
@@ -271,7 +287,7 @@ def _run(client: Client, batch_id: str, info: BatchInfo, lost: threading.Event) 
     with output.open("ab") as out:
         while done < info.total:
             while sent < info.total and sent - done < info.window:
-                _send(client, batch_id, sent, lines[sent])
+                _send(client, batch_id, sent, lines[sent], info.tenant)
                 sent += 1
             record = _wait(client, batch_id, lines[done], lost)
             out.write(json.dumps(record).encode() + b"\n")
@@ -294,11 +310,12 @@ def _run(client: Client, batch_id: str, info: BatchInfo, lost: threading.Event) 
     return done
 
 
-def _send(client: Client, batch_id: str, index: int, line: Line) -> None:
+def _send(client: Client, batch_id: str, index: int, line: Line, tenant: str) -> None:
     """Put one line's request in the pool and count it sent (`index` + 1 requests), in one
     atomic step."""
     fields_ = parse_line(line.text, line.number)
     fields_.pop(PASSTHROUGH, None)
+    fields_["tenant"] = tenant
     fields_.setdefault("result_ttl_s", RESULT_TTL_S)
     prompt, ids = fields_.pop("prompt", None), fields_.pop("prompt_token_ids", None)
     request = build_request(prompt, ids, request_id(batch_id, line), fields_)

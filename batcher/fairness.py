@@ -1,0 +1,105 @@
+"""Fair shares between tenants (docs/architecture.md §3a): pure functions of what the
+planner already holds, no clock.
+
+The rule, *weighted fair occupancy*: a request that is served (admitted to a slot, or
+delivered from the queue) is taken by repeating: the most urgent remaining request fixes a
+priority class c (so priority across classes and aging are as without tenants); of the
+tenants whose most urgent remaining request is of class c, the one whose
+`(held + 1) / weight` is least (ties: the more urgent head, then the older) gives its most
+urgent request. `held` is what the tenant holds already: its running requests, counted
+again with every request served. A tenant with nothing waiting takes nothing, so its share
+goes to the others (work-conserving). While every slot is taken, a tenant under its share
+(`capacity * weight / total weight` of the tenants running or waiting, capped by
+`max_running`, the rest spread over the others) takes a slot from the tenant most over its
+own, of the same priority class or lower (the planner's `_preempt_for_share`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from batcher.scheduler import Sequence
+
+# Shares are fractions of slots: a tenant at its share within this is at its share.
+EPSILON = 1e-9
+
+
+@dataclass(frozen=True, slots=True)
+class TenantShare:
+    """What the planner knows of a tenant: its weight and how many may run at once."""
+
+    weight: float = 1.0
+    max_running: int | None = None
+
+
+DEFAULT_SHARE = TenantShare()
+
+
+def share_of(tenants: Mapping[str, TenantShare], name: str) -> TenantShare:
+    """A tenant's settings (a tenant not configured: weight 1, no cap)."""
+    return tenants.get(name, DEFAULT_SHARE)
+
+
+def at_cap(tenants: Mapping[str, TenantShare], name: str, held: Mapping[str, int]) -> bool:
+    """True when the tenant runs as many requests as its `max_running` allows."""
+    cap = share_of(tenants, name).max_running
+    return cap is not None and held.get(name, 0) >= cap
+
+
+def fair_order(
+    seqs: list[Sequence], held: Mapping[str, int], tenants: Mapping[str, TenantShare]
+) -> list[Sequence]:
+    """`seqs` (most urgent first, then oldest) in the order the rule above serves them,
+    each tenant starting from what it holds in `held` (not changed)."""
+    queues: dict[str, deque[Sequence]] = {}
+    for seq in seqs:
+        queues.setdefault(seq.tenant, deque()).append(seq)
+    if len(queues) <= 1:
+        return list(seqs)
+    counts = dict(held)
+    weights = {name: share_of(tenants, name).weight for name in queues}
+    served: list[Sequence] = []
+    while len(queues) > 1:
+        heads = [q[0] for q in queues.values()]
+        klass = min(heads, key=lambda s: (-s.urgency, s.order)).priority
+        chosen = min(
+            (s for s in heads if s.priority == klass),
+            key=lambda s: ((counts.get(s.tenant, 0) + 1) / weights[s.tenant], -s.urgency, s.order),
+        )
+        queue = queues[chosen.tenant]
+        served.append(queue.popleft())
+        counts[chosen.tenant] = counts.get(chosen.tenant, 0) + 1
+        if not queue:
+            del queues[chosen.tenant]
+    for queue in queues.values():
+        served.extend(queue)
+    return served
+
+
+def fair_shares(
+    active: Iterable[str], capacity: int, tenants: Mapping[str, TenantShare]
+) -> dict[str, float]:
+    """Each active tenant's share of `capacity` slots: in proportion to the weights, none
+    over its `max_running`, what a cap leaves spread over the others."""
+    left = set(active)
+    shares: dict[str, float] = {}
+    room = float(capacity)
+    while left:
+        total = sum(share_of(tenants, name).weight for name in left)
+        fair = {name: room * share_of(tenants, name).weight / total for name in left}
+        capped = {
+            name: float(cap)
+            for name in left
+            if (cap := share_of(tenants, name).max_running) is not None and cap < fair[name]
+        }
+        if not capped:
+            shares.update(fair)
+            break
+        shares.update(capped)
+        room -= sum(capped.values())
+        left -= set(capped)
+    return shares
