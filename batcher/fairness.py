@@ -1,17 +1,21 @@
 """Fair shares between tenants (docs/architecture.md §3a): pure functions of what the
 planner already holds, no clock.
 
-The rule, *weighted fair occupancy*: a request that is served (admitted to a slot, or
-delivered from the queue) is taken by repeating: the most urgent remaining request fixes a
-priority class c (so priority across classes and aging are as without tenants); of the
-tenants whose most urgent remaining request is of class c, the one whose
-`(held + 1) / weight` is least (ties: the more urgent head, then the older) gives its most
-urgent request. `held` is what the tenant holds already: its running requests, counted
-again with every request served. A tenant with nothing waiting takes nothing, so its share
-goes to the others (work-conserving). While every slot is taken, a tenant under its share
-(`capacity * weight / total weight` of the tenants running or waiting, capped by
-`max_running`, the rest spread over the others) takes a slot from the tenant most over its
-own, of the same priority class or lower (the planner's `_preempt_for_share`).
+The rule, *weighted fair occupancy*: each tenant running or waiting has a share of the
+pool's capacity, `capacity * weight / total weight` (capped by its `max_running`, what a
+cap leaves spread over the others). Requests are served (admitted to a slot, or delivered
+from the queue) by repeating: the most urgent remaining request fixes a priority class c
+(so priority across classes and aging are as without tenants); of the tenants whose most
+urgent remaining request is of class c, the one furthest below its share (`share - held`
+largest; ties: the more urgent head, then the older) gives its most urgent request.
+`held` is what the tenant holds already, counted again with every request served. Handing
+out slots one at a time to the tenant furthest below its share keeps every tenant within
+one slot of its share once the pool is full. A tenant with nothing waiting takes nothing,
+so its share goes to the others (work-conserving). While every slot is taken, a tenant
+under its share takes a slot from the tenant most over its own when the two distances add
+up to more than a slot, of the same priority class or lower (the planner's
+`_preempt_for_share`); where no such pair is left, every tenant is within one slot of its
+share.
 """
 
 from __future__ import annotations
@@ -51,24 +55,29 @@ def at_cap(tenants: Mapping[str, TenantShare], name: str, held: Mapping[str, int
 
 
 def fair_order(
-    seqs: list[Sequence], held: Mapping[str, int], tenants: Mapping[str, TenantShare]
+    seqs: list[Sequence],
+    held: Mapping[str, int],
+    tenants: Mapping[str, TenantShare],
+    capacity: int,
 ) -> list[Sequence]:
     """`seqs` (most urgent first, then oldest) in the order the rule above serves them,
-    each tenant starting from what it holds in `held` (not changed)."""
+    each tenant starting from what it holds in `held` (not changed), shares taken of
+    `capacity` slots."""
     queues: dict[str, deque[Sequence]] = {}
     for seq in seqs:
         queues.setdefault(seq.tenant, deque()).append(seq)
     if len(queues) <= 1:
         return list(seqs)
     counts = dict(held)
-    weights = {name: share_of(tenants, name).weight for name in queues}
+    active = {name for name, n in held.items() if n > 0} | queues.keys()
+    shares = fair_shares(active, capacity, tenants)
     served: list[Sequence] = []
     while len(queues) > 1:
         heads = [q[0] for q in queues.values()]
         klass = min(heads, key=lambda s: (-s.urgency, s.order)).priority
         chosen = min(
             (s for s in heads if s.priority == klass),
-            key=lambda s: ((counts.get(s.tenant, 0) + 1) / weights[s.tenant], -s.urgency, s.order),
+            key=lambda s: (counts.get(s.tenant, 0) - shares[s.tenant], -s.urgency, s.order),
         )
         queue = queues[chosen.tenant]
         served.append(queue.popleft())

@@ -28,9 +28,10 @@ local group, consumer = ARGV[1], ARGV[2]
 local wanted, aging = tonumber(ARGV[3]), tonumber(ARGV[4])
 local threshold, extra = tonumber(ARGV[5]), tonumber(ARGV[6])
 local bound, capacity = tonumber(ARGV[7]), tonumber(ARGV[8])
+local fair_extra = ARGV[9] == '1'
 local weight, held, cap = {}, {}, {}
-local a = 10
-for _ = 1, tonumber(ARGV[9]) do
+local a = 11
+for _ = 1, tonumber(ARGV[10]) do
   local name = ARGV[a]
   weight[name], held[name], cap[name] = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]),
                                         tonumber(ARGV[a + 3])
@@ -108,11 +109,10 @@ end
 for i = 1, n do
   if heads[i] and not active[owner[i]] then active[owner[i]] = true; total = total + w(owner[i]) end
 end
-local function below_share(t)
-  return not capped(t) and total > 0 and h(t) + 1 <= capacity * w(t) / total + 1e-9
-end
+local function deficit(t) return capacity * w(t) / total - h(t) end
+local function below_share(t) return not capped(t) and deficit(t) >= 1 - 1e-9 end
 
-local out, fair_left = {}, capacity
+local out, fair_left = {}, fair_extra and capacity or 0
 while true do
   local best = nil
   for i = 1, n do
@@ -122,8 +122,8 @@ while true do
   local pick = best
   for i = 1, n do
     if heads[i] and i ~= pick and classes[i] == classes[best] and not capped(owner[i]) then
-      local ki, kp = (h(owner[i]) + 1) / w(owner[i]), (h(owner[pick]) + 1) / w(owner[pick])
-      if ki < kp or (ki == kp and before(i, pick)) then pick = i end
+      local di, dp = deficit(owner[i]), deficit(owner[pick])
+      if di > dp or (di == dp and before(i, pick)) then pick = i end
     end
   end
   if #out >= wanted then
@@ -196,17 +196,19 @@ class IntakeReply:
 
 @dataclass(frozen=True, slots=True)
 class Holding:
-    """What the pool holds of the tenants' work, for the intake's fair order: each tenant's
-    requests held (running or waiting), its weight and cap, and the pool's capacity."""
+    """What the pool holds of the tenants' work, for the intake's fair order
+    (batcher/fairness.py): each tenant's requests held (running or waiting), its weight and
+    cap, and the pool's capacity."""
 
     capacity: int = 0
     held: dict[str, int] = field(default_factory=dict)
     tenants: dict[str, TenantShare] = field(default_factory=dict)
+    under_share: bool = False  # deliver a tenant under its share even with no room (it preempts)
 
     def args(self) -> list[Any]:
         """The script's ARGV for it, from the capacity on."""
         names = sorted(self.held.keys() | self.tenants.keys())
-        args: list[Any] = [self.capacity, len(names)]
+        args: list[Any] = [self.capacity, int(self.under_share), len(names)]
         for name in names:
             share = share_of(self.tenants, name)
             args += [name, repr(share.weight), self.held.get(name, 0), share.max_running or 0]

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from batcher.fairness import EPSILON, TenantShare, at_cap, fair_order, fair_shares, share_of
+from batcher.fairness import EPSILON, TenantShare, at_cap, fair_order, fair_shares
 from schemas.control import PREEMPTED, PrefillChunk
 from schemas.keys import DEFAULT_TENANT
 
@@ -255,7 +255,7 @@ def _admit(state: PoolState) -> list[Sequence]:
     order, held = state.waiting, None
     if tenants or any(s.tenant != order[0].tenant for s in order):
         held = Counter(s.tenant for s in state.running.values())
-        order = fair_order(order, held, tenants)
+        order = fair_order(order, held, tenants, state.capacity())
     for seq in order:
         if state.room() <= 0:
             break
@@ -304,10 +304,13 @@ def _preempt(state: PoolState) -> list[Sequence]:
 
 
 def _preempt_for_share(state: PoolState) -> list[Sequence]:
-    """With several tenants and every slot taken, waiting requests of a tenant under its
-    fair share take slots from the tenant most over its own (its least urgent, newest
-    request of the same priority class or lower), until neither would pass its share: so no
-    slot is taken back and forth. Slots being given back already go to the waiting first."""
+    """With several tenants and every slot taken, a waiting request of a tenant under its
+    fair share takes a slot from the tenant most over its own (that tenant's least urgent,
+    newest request of the same priority class or lower) when the one's shortfall and the
+    other's excess add up to more than a slot. Each such move lowers the sum of squared
+    distances from the shares, so moves end and a slot is never taken back; where none is
+    left, every tenant is within one slot of its share. Slots being given back already go
+    to the waiting first."""
     config = state.config
     if config.preempt_margin is None or not state.waiting:
         return []
@@ -322,7 +325,7 @@ def _preempt_for_share(state: PoolState) -> list[Sequence]:
     for seq in _victims(state):
         victims.setdefault(seq.tenant, []).append(seq)
     preempted: list[Sequence] = []
-    for seq in fair_order(state.waiting, occupancy, config.tenants):
+    for seq in fair_order(state.waiting, occupancy, config.tenants, state.capacity()):
         tenant = seq.tenant
         if at_cap(config.tenants, tenant, occupancy):
             continue
@@ -330,19 +333,20 @@ def _preempt_for_share(state: PoolState) -> list[Sequence]:
             freeing -= 1
             occupancy[tenant] += 1
             continue
-        if occupancy[tenant] + 1 > shares[tenant] + EPSILON:
+        wanting = shares[tenant] - occupancy[tenant]  # how far below its share
+        if wanting <= EPSILON:
             continue
         donors = [
             name
             for name, seqs in victims.items()
             if name != tenant
             and seqs
-            and occupancy[name] - 1 >= shares[name] - EPSILON
+            and occupancy[name] - shares[name] + wanting > 1 + EPSILON
             and seqs[0].priority <= seq.priority
         ]
         if not donors:
             continue
-        donor = max(donors, key=lambda n: (occupancy[n] / share_of(config.tenants, n).weight, n))
+        donor = max(donors, key=lambda n: (occupancy[n] - shares[n], n))
         victim = victims[donor].pop(0)
         victim.stopping = victim.preempting = True
         preempted.append(victim)
@@ -438,13 +442,17 @@ def _plan_prefill(
     by_rank: dict[int, list[Sequence]], config: PlannerConfig
 ) -> dict[int, list[list[PrefillChunk]]]:
     """Up to `prefill_slots` launches per rank of up to `prefill_chunk` tokens each, filled
-    most urgent request first. Packed, a launch holds segments of several requests back to
+    most urgent request first (several tenants' prompts in their fair order, from the rows
+    each decodes on the rank). Packed, a launch holds segments of several requests back to
     back (a long prompt's last part shares its launch with the next prompts); unpacked, one
     request's chunk. An empty launch is a lockstep dummy."""
     prefill: dict[int, list[list[PrefillChunk]]] = {}
     per_launch = config.prefill_segments if config.pack_prefill else 1
     for rank, seqs in by_rank.items():
         pending = sorted((s for s in seqs if s.wants_prefill), key=lambda s: (-s.urgency, s.order))
+        if config.tenants or any(s.tenant != pending[0].tenant for s in pending):
+            decoding = Counter(s.tenant for s in seqs if s.is_prefilled and not s.stopping)
+            pending = fair_order(pending, decoding, config.tenants, config.kv_slots_per_rank)
         launches: list[list[PrefillChunk]] = []
         while pending and len(launches) < config.prefill_slots:
             room, launch = config.prefill_chunk, list[PrefillChunk]()

@@ -413,8 +413,7 @@ class Batcher:
         held: dict[str, int] = {}
         for seq in (*self.state.running.values(), *self.state.waiting):
             held[seq.tenant] = held.get(seq.tenant, 0) + 1
-        capacity = self.state.capacity() if self.settings.preemption else 0
-        return Holding(capacity, held, self.tenants)
+        return Holding(self.state.capacity(), held, self.tenants, self.settings.preemption)
 
     # -- steps ----------------------------------------------------------------------------
 
