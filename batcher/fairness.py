@@ -20,6 +20,7 @@ share.
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -71,19 +72,38 @@ def fair_order(
     counts = dict(held)
     active = {name for name, n in held.items() if n > 0} | queues.keys()
     shares = fair_shares(active, capacity, tenants)
+    # each tenant's head sits in two heaps: by urgency (which class goes next) and in its
+    # class's heap by distance from its share; an entry of an older head is skipped
+    version = dict.fromkeys(queues, 0)
+    by_urgency: list[tuple[float, int, str, int]] = []
+    by_class: dict[int, list[tuple[float, float, int, str, int]]] = {}
+
+    def push(name: str) -> None:
+        head = queues[name][0]
+        ver = version[name]
+        heapq.heappush(by_urgency, (-head.urgency, head.order, name, ver))
+        below = counts.get(name, 0) - shares[name]
+        entry = (below, -head.urgency, head.order, name, ver)
+        heapq.heappush(by_class.setdefault(head.priority, []), entry)
+
+    for name in queues:
+        push(name)
     served: list[Sequence] = []
     while len(queues) > 1:
-        heads = [q[0] for q in queues.values()]
-        klass = min(heads, key=lambda s: (-s.urgency, s.order)).priority
-        chosen = min(
-            (s for s in heads if s.priority == klass),
-            key=lambda s: (counts.get(s.tenant, 0) - shares[s.tenant], -s.urgency, s.order),
-        )
-        queue = queues[chosen.tenant]
+        while by_urgency[0][3] != version[by_urgency[0][2]]:
+            heapq.heappop(by_urgency)
+        heap = by_class[queues[by_urgency[0][2]][0].priority]
+        while heap[0][4] != version[heap[0][3]]:
+            heapq.heappop(heap)
+        name = heapq.heappop(heap)[3]
+        queue = queues[name]
         served.append(queue.popleft())
-        counts[chosen.tenant] = counts.get(chosen.tenant, 0) + 1
-        if not queue:
-            del queues[chosen.tenant]
+        counts[name] = counts.get(name, 0) + 1
+        version[name] += 1
+        if queue:
+            push(name)
+        else:
+            del queues[name]
     for queue in queues.values():
         served.extend(queue)
     return served
@@ -94,21 +114,20 @@ def fair_shares(
 ) -> dict[str, float]:
     """Each active tenant's share of `capacity` slots: in proportion to the weights, none
     over its `max_running`, what a cap leaves spread over the others."""
-    left = set(active)
+    found = {name: tenants.get(name, DEFAULT_SHARE) for name in active}
+    weights = {name: t.weight for name, t in found.items()}
+    caps = {name: t.max_running for name, t in found.items() if t.max_running is not None}
     shares: dict[str, float] = {}
     room = float(capacity)
-    while left:
-        total = sum(share_of(tenants, name).weight for name in left)
-        fair = {name: room * share_of(tenants, name).weight / total for name in left}
-        capped = {
-            name: float(cap)
-            for name in left
-            if (cap := share_of(tenants, name).max_running) is not None and cap < fair[name]
-        }
+    while weights:
+        scale = room / sum(weights.values())
+        fair = {name: scale * w for name, w in weights.items()}
+        capped = {name: float(cap) for name, cap in caps.items() if cap < fair[name]}
         if not capped:
             shares.update(fair)
             break
         shares.update(capped)
         room -= sum(capped.values())
-        left -= set(capped)
+        for name in capped:
+            del weights[name], caps[name]
     return shares

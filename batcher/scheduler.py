@@ -314,17 +314,29 @@ def _preempt_for_share(state: PoolState) -> list[Sequence]:
     config = state.config
     if config.preempt_margin is None or not state.waiting:
         return []
-    running = [s for s in state.running.values() if s.rank in state.ranks]
-    occupancy = Counter(s.tenant for s in running if not s.stopping)
-    active = occupancy.keys() | {s.tenant for s in state.waiting}
+    ranks = state.ranks
+    occupancy: Counter[str] = Counter()
+    leaving = 0  # slots being given back
+    for seq in state.running.values():
+        if seq.rank in ranks:
+            if seq.stopping:
+                leaving += 1
+            else:
+                occupancy[seq.tenant] += 1
+    waiting = {s.tenant for s in state.waiting}
+    active = occupancy.keys() | waiting
     if len(active) < 2:
         return []
     shares = fair_shares(active, state.capacity(), config.tenants)
-    freeing = state.room() + len(running) - sum(occupancy.values())
+    most_over = max(occupancy[n] - shares[n] for n in active)
+    if most_over + max(shares[n] - occupancy[n] for n in waiting) <= 1 + EPSILON:
+        return []  # no pair could move a slot (what is being freed only narrows it)
+    freeing = state.room() + leaving
     victims: dict[str, list[Sequence]] = {}
     for seq in _victims(state):
         victims.setdefault(seq.tenant, []).append(seq)
     preempted: list[Sequence] = []
+    ranked: list[str] | None = None
     for seq in fair_order(state.waiting, occupancy, config.tenants, state.capacity()):
         tenant = seq.tenant
         if at_cap(config.tenants, tenant, occupancy):
@@ -336,17 +348,22 @@ def _preempt_for_share(state: PoolState) -> list[Sequence]:
         wanting = shares[tenant] - occupancy[tenant]  # how far below its share
         if wanting <= EPSILON:
             continue
-        donors = [
-            name
-            for name, seqs in victims.items()
-            if name != tenant
-            and seqs
-            and occupancy[name] - shares[name] + wanting > 1 + EPSILON
-            and seqs[0].priority <= seq.priority
-        ]
-        if not donors:
+        if ranked is None:  # tenants that could give a slot, most over their share first
+            ranked = sorted(
+                (name for name, seqs in victims.items() if seqs),
+                key=lambda n: (occupancy[n] - shares[n], n),
+                reverse=True,
+            )
+        donor = None
+        for name in ranked:
+            if occupancy[name] - shares[name] + wanting <= 1 + EPSILON:
+                break  # nor any after it
+            if name != tenant and victims[name] and victims[name][0].priority <= seq.priority:
+                donor = name
+                break
+        if donor is None:
             continue
-        donor = max(donors, key=lambda n: (occupancy[n] - shares[n], n))
+        ranked = None
         victim = victims[donor].pop(0)
         victim.stopping = victim.preempting = True
         preempted.append(victim)
@@ -450,7 +467,9 @@ def _plan_prefill(
     per_launch = config.prefill_segments if config.pack_prefill else 1
     for rank, seqs in by_rank.items():
         pending = sorted((s for s in seqs if s.wants_prefill), key=lambda s: (-s.urgency, s.order))
-        if config.tenants or any(s.tenant != pending[0].tenant for s in pending):
+        if len(pending) > 1 and (
+            config.tenants or any(s.tenant != pending[0].tenant for s in pending)
+        ):
             decoding = Counter(s.tenant for s in seqs if s.is_prefilled and not s.stopping)
             pending = fair_order(pending, decoding, config.tenants, config.kv_slots_per_rank)
         launches: list[list[PrefillChunk]] = []
