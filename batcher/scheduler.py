@@ -11,6 +11,7 @@ launches, and lists the running requests their ranks must end (stopped or preemp
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from batcher.fairness import EPSILON, TenantShare, at_cap, fair_order, fair_shares
@@ -149,6 +150,8 @@ class PoolState:
     next_rank: int = 0
     decode_stalls: dict[int, int] = field(default_factory=dict)  # rank -> steps its decode waited
     stops: list[PlannedStop] = field(default_factory=list)  # stopped since the last plan
+    # tenants' fair shares by (the tenants running or waiting, capacity): they seldom change
+    shares: dict[tuple[frozenset[str], int], dict[str, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.free_slots:
@@ -327,7 +330,7 @@ def _preempt_for_share(state: PoolState) -> list[Sequence]:
     active = occupancy.keys() | waiting
     if len(active) < 2:
         return []
-    shares = fair_shares(active, state.capacity(), config.tenants)
+    shares = _shares(state, active)
     most_over = max(occupancy[n] - shares[n] for n in active)
     if most_over + max(shares[n] - occupancy[n] for n in waiting) <= 1 + EPSILON:
         return []  # no pair could move a slot (what is being freed only narrows it)
@@ -370,6 +373,17 @@ def _preempt_for_share(state: PoolState) -> list[Sequence]:
         occupancy[donor] -= 1
         occupancy[tenant] += 1
     return preempted
+
+
+def _shares(state: PoolState, active: Iterable[str]) -> dict[str, float]:
+    """The fair shares of the tenants running or waiting (batcher/fairness.py), kept."""
+    key = (frozenset(active), state.capacity())
+    found = state.shares.get(key)
+    if found is None:
+        if len(state.shares) >= 64:
+            state.shares.clear()
+        found = state.shares[key] = fair_shares(key[0], key[1], state.config.tenants)
+    return found
 
 
 def _victims(state: PoolState) -> list[Sequence]:

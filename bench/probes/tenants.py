@@ -27,7 +27,7 @@ import threading
 import time
 import timeit
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from batcher.fairness import TenantShare
 from batcher.scheduler import PlannerConfig, PoolState, Sequence, finish, plan_step
@@ -36,6 +36,7 @@ from npu_pool.launcher import PoolProcesses
 from producer.client import Client
 from schemas.codec import decode
 from schemas.config import Settings
+from schemas.connection import Entry
 from schemas.keys import FIELD, Keys
 from schemas.messages import ResultChunk
 
@@ -115,7 +116,8 @@ def submit(client: Client, tenant: str, n: int, tokens: int, tag: str) -> dict[s
 def token_times(client: Client, request_id: str) -> list[tuple[float, int]]:
     """(ms, tokens) of each chunk of a request's result stream."""
     found = []
-    for entry_id, fields in client.redis.xrange(KEYS.result(request_id)):
+    entries = cast(list[Entry], client.redis.xrange(KEYS.result(request_id)))
+    for entry_id, fields in entries:
         chunk = decode(ResultChunk, fields[FIELD.encode()])
         found.append((float(entry_id.split(b"-")[0]), len(chunk.token_ids)))
     return found
