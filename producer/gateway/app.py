@@ -126,4 +126,4 @@ def create_app(config: GatewayConfig) -> ASGIApp:
         lifespan=lifespan,
     )
     app.state.gateway = gateway
-    return RequestIds(app, config.api_keys)
+    return RequestIds(app, config.api_keys, config.key_tenants)

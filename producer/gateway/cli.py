@@ -8,6 +8,7 @@ import os
 import sys
 
 from producer.gateway.state import GatewayConfig
+from schemas.tenants import load_tenants
 
 API_KEYS_ENV = "NPUPOOL_API_KEYS"
 
@@ -38,6 +39,13 @@ def build_parser() -> argparse.ArgumentParser:
         "none: no key needed",
     )
     parser.add_argument(
+        "--tenants",
+        default=None,
+        help="tenants file (TOML; also NPUPOOL_TENANTS): each tenant's `api_keys` are keys "
+        "this gateway takes, and its requests are queued for that tenant; a key it does not "
+        "name gets 401 (keys of --api-key queue for `default`)",
+    )
+    parser.add_argument(
         "--max-body-bytes", type=int, default=1 << 20, help="largest request body accepted"
     )
     parser.add_argument(
@@ -63,10 +71,14 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     keys += [k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
     if args.max_body_bytes < 1024:
         raise ValueError(f"--max-body-bytes={args.max_body_bytes} is below 1024")
+    path = args.tenants or os.environ.get("NPUPOOL_TENANTS") or None
+    key_tenants = load_tenants(path).by_api_key() if path else {}
+    keys += [k for k in key_tenants if k not in keys]
     return GatewayConfig(
         redis_url=args.redis_url,
         namespace=args.namespace,
         api_keys=keys,
+        key_tenants=key_tenants,
         max_body_bytes=args.max_body_bytes,
         first_chunk_wait_s=args.first_chunk_wait_s,
     )

@@ -13,6 +13,7 @@ from schemas.messages import ResultChunk
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     413: "invalid_request_error",
     429: "rate_limit_error",

@@ -10,7 +10,7 @@ from typing import Any
 from pydantic import ValidationError
 from starlette.requests import Request
 
-from producer.client import NotReplicated, QueueFull, RequestTooLarge
+from producer.client import NotReplicated, QueueFull, RequestTooLarge, UnknownTenant
 from producer.gateway.errors import RETRY_AFTER_S, ApiError, from_validation
 from producer.gateway.protocol import ChatRequest, CompletionRequest
 from producer.gateway.render import Renderer, token_id_text
@@ -89,7 +89,11 @@ async def generate(request: Request, kind: str) -> GenerationResponse:
     request_id = request.state.request_id
     try:
         await gateway.client.submit(
-            job.prompt, prompt_token_ids=job.token_ids, request_id=request_id, **job.options
+            job.prompt,
+            prompt_token_ids=job.token_ids,
+            request_id=request_id,
+            tenant=request.state.tenant,
+            **job.options,
         )
     except ValidationError as exc:
         raise from_validation(exc, job.renames) from exc
@@ -99,6 +103,8 @@ async def generate(request: Request, kind: str) -> GenerationResponse:
         ) from exc
     except RequestTooLarge as exc:
         raise ApiError(413, str(exc), code="too_large") from exc
+    except UnknownTenant as exc:  # the key is this gateway's, its tenant not the pool's
+        raise ApiError(403, str(exc), code="unknown_tenant") from exc
     except NotReplicated as exc:  # retryable with the same request id
         raise ApiError(
             503, str(exc), code="not_replicated", headers={"Retry-After": str(RETRY_AFTER_S)}

@@ -16,6 +16,8 @@ class GatewayConfig:
     redis_url: str | None = None
     namespace: str | None = None
     api_keys: list[str] = field(default_factory=list)
+    # API key -> tenant, from a tenants file; a key of `api_keys` not here is `default`'s
+    key_tenants: dict[str, str] = field(default_factory=dict)
     max_body_bytes: int = 1 << 20
     first_chunk_wait_s: float = 10.0
     keepalive_s: float = 15.0
