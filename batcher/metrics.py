@@ -1,20 +1,29 @@
 """The batcher's Prometheus registry: its counts, step latency, and the request latencies it
 observes (queue time, time to first token, inter-token latency) from each entry's enqueue
-time (its stream id) and the step results."""
+time (its stream id) and the step results; with them, per tenant, the queue, the running
+and waiting requests, tokens and time to first token."""
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import cast
 
-from prometheus_client import CollectorRegistry, Histogram
+import redis
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from batcher.intake import Tracked
-from batcher.scheduler import Sequence
+from batcher.scheduler import PoolState, Sequence
+from schemas.keys import DEFAULT_TENANT, Keys
 from schemas.metrics import CountsCollector
 
 STEP_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# gauge name -> tenant -> value, read at scrape time
+TenantGauges = dict[str, dict[str, float]]
 
 
 def enqueued_at(tracked: Tracked) -> float:
@@ -22,19 +31,85 @@ def enqueued_at(tracked: Tracked) -> float:
     return int(tracked.entry_id.split(b"-")[0]) / 1000
 
 
+def tenant_load(state: PoolState) -> dict[str, dict[str, int]]:
+    """Running and waiting requests of each tenant the pool holds work of."""
+    load: dict[str, dict[str, int]] = {}
+    for kind, sequences in (("running", state.running.values()), ("waiting", state.waiting)):
+        for seq in sequences:
+            counts = load.setdefault(seq.tenant, {"running": 0, "waiting": 0})
+            counts[kind] += 1
+    return load
+
+
+def tenant_queue_depths(client: redis.Redis, keys: Keys) -> dict[str, int]:
+    """Entries on each tenant's request streams, delivered or not (as `queue_depth` counts)."""
+    registered = cast(dict[bytes, bytes], client.hgetall(keys.queues))
+    owners = {stream: DEFAULT_TENANT for stream in keys.request_streams}
+    owners.update({bytes(s).decode(): bytes(t).decode() for s, t in registered.items()})
+    pipe = client.pipeline(transaction=False)
+    for stream in owners:
+        pipe.xlen(stream)
+    depths: dict[str, int] = {}
+    for tenant, depth in zip(owners.values(), pipe.execute()):
+        depths[tenant] = depths.get(tenant, 0) + int(depth)
+    return depths
+
+
+def tenant_gauges(load: dict[str, dict[str, int]], client: redis.Redis, keys: Keys) -> TenantGauges:
+    """`tenant_queue_depth` read now, `tenant_running` and `tenant_waiting` from `load` (the
+    last heartbeat's), each over every tenant with streams or work (0 where it has none)."""
+    depths: dict[str, int] = {}
+    # read from the metrics server's thread (a redis-py client may be shared); with Redis
+    # away the scrape still shows what the pool holds
+    with contextlib.suppress(redis.RedisError):
+        depths = tenant_queue_depths(client, keys)
+    gauges: TenantGauges = {"tenant_queue_depth": {t: float(n) for t, n in depths.items()}}
+    tenants = sorted({*load, *depths})
+    for kind in ("running", "waiting"):
+        gauges[f"tenant_{kind}"] = {t: float(load.get(t, {}).get(kind, 0)) for t in tenants}
+    return gauges
+
+
+class TenantGaugesCollector(Collector):
+    """Exposes `npupool_{name}{pool, tenant}` gauges from a callback's values."""
+
+    def __init__(self, gauges: Callable[[], TenantGauges], pool: str) -> None:
+        self.gauges = gauges
+        self.pool = pool
+
+    def collect(self) -> Iterator[Metric]:
+        for name, by_tenant in sorted(self.gauges().items()):
+            family = GaugeMetricFamily(f"npupool_{name}", name, labels=["pool", "tenant"])
+            for tenant, value in sorted(by_tenant.items()):
+                family.add_metric([self.pool, tenant], float(value))
+            yield family
+
+
 class BatcherMetrics:
     """Counts read at scrape time (`gauges` among them), `npupool_step_seconds`, and
-    `npupool_queue_seconds`, `npupool_ttft_seconds`, `npupool_itl_seconds`.
+    `npupool_queue_seconds`, `npupool_ttft_seconds`, `npupool_itl_seconds`; per tenant,
+    the gauges `tenant_gauges` gives and `npupool_tenant_tokens_total`,
+    `npupool_tenant_ttft_seconds` (new series: the pool-wide ones keep their labels).
 
     The request latencies are observed once per request (per token for ITL) on its first
     run: a request that resumes after a failure is not counted again for queue time or TTFT."""
 
-    def __init__(self, pool: str, counts: Callable[[], dict[str, float]], gauges: set[str]) -> None:
+    def __init__(
+        self,
+        pool: str,
+        counts: Callable[[], dict[str, float]],
+        gauges: set[str],
+        tenant_gauges: Callable[[], TenantGauges] = dict,
+    ) -> None:
         self.registry = registry = CollectorRegistry()
         registry.register(CountsCollector(counts, {"pool": pool}, gauges))
+        registry.register(TenantGaugesCollector(tenant_gauges, pool))
 
-        def histogram(name: str, doc: str, buckets: tuple[float, ...] = BUCKETS) -> Histogram:
-            return Histogram(name, doc, ["pool"], registry=registry, buckets=buckets)
+        def histogram(
+            name: str, doc: str, buckets: tuple[float, ...] = BUCKETS, by_tenant: bool = False
+        ) -> Histogram:
+            labels = ["pool", "tenant"] if by_tenant else ["pool"]
+            return Histogram(name, doc, labels, registry=registry, buckets=buckets)
 
         self.step_seconds = histogram(
             "npupool_step_seconds", "dispatch to the last rank's result, per step", STEP_BUCKETS
@@ -45,6 +120,13 @@ class BatcherMetrics:
         )
         self.ttft = histogram("npupool_ttft_seconds", "enqueue to first token").labels(pool)
         self.itl = histogram("npupool_itl_seconds", "between a request's tokens").labels(pool)
+        self.pool = pool
+        self.tenant_ttft = histogram(
+            "npupool_tenant_ttft_seconds", "enqueue to first token, by tenant", by_tenant=True
+        )
+        self.tenant_tokens = Counter(
+            "npupool_tenant_tokens", "tokens, by tenant", ["pool", "tenant"], registry=registry
+        )
         self.admitted_ids: set[str] = set()
         self.last_token_at: dict[str, float] = {}
 
@@ -63,12 +145,16 @@ class BatcherMetrics:
         if num_new <= 0:
             return
         now = time.time()
+        tenant = tracked.request.tenant
+        self.tenant_tokens.labels(self.pool, tenant).inc(num_new)
         last = self.last_token_at.get(tracked.request_id)
         if last is not None:
             for _ in range(num_new):  # tokens of one step share its latency evenly
                 self.itl.observe((now - last) / num_new)
         elif tracked.num_published == 0 and not tracked.resumed_ids:
-            self.ttft.observe(max(0.0, now - enqueued_at(tracked)))
+            ttft = max(0.0, now - enqueued_at(tracked))
+            self.ttft.observe(ttft)
+            self.tenant_ttft.labels(self.pool, tenant).observe(ttft)
             for _ in range(num_new - 1):  # MTP: the step's second token came at once
                 self.itl.observe(0.0)
         self.last_token_at[tracked.request_id] = now

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -37,7 +38,7 @@ from batcher.durability import (
 )
 from batcher.fairness import TenantShare
 from batcher.limits import publish_limits, publish_tenants, withdraw_limits
-from batcher.metrics import BatcherMetrics
+from batcher.metrics import BatcherMetrics, tenant_gauges, tenant_load
 from batcher.queue import Holding, QueueReader
 from batcher.ranks import RankRegistry
 from batcher.scheduler import (
@@ -83,8 +84,14 @@ class Batcher:
             name: TenantShare(t.weight, t.max_running)
             for name, t in (table.tenants.items() if table is not None else ())
         }
+        self.tenant_load: dict[str, dict[str, int]] = {}  # as of the last heartbeat
         self.metrics = (
-            BatcherMetrics(self.pool, self._gauges_and_counts, gauges=set(GAUGES))
+            BatcherMetrics(
+                self.pool,
+                self._gauges_and_counts,
+                gauges=set(GAUGES),
+                tenant_gauges=lambda: tenant_gauges(self.tenant_load, self.redis, self.keys),
+            )
             if settings.metrics_port
             else None
         )
@@ -367,10 +374,12 @@ class Batcher:
             if claimed:
                 log.info("claimed %d requests of pools that are gone", len(claimed))
                 self.book.claim(claimed)
-        fields: dict[str, int] = {
+        self.tenant_load = tenant_load(self.state)
+        fields: dict[str, int | str] = {
             PoolField.HEARTBEAT_MS: int(time.time() * 1000),
             PoolField.RUNNING: len(self.state.running),
             PoolField.WAITING: len(self.state.waiting),
+            "tenants": json.dumps(self.tenant_load, sort_keys=True),
             **self.book.counts.as_dict(),
         }
         self.redis.hset(self.keys.pool(self.pool), mapping=fields)  # type: ignore[arg-type]

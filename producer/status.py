@@ -10,7 +10,7 @@ from typing import Any, cast
 import redis
 
 from schemas.connection import hash_fields
-from schemas.keys import GROUP, PRIORITY_CLASSES, Keys
+from schemas.keys import DEFAULT_TENANT, GROUP, PRIORITY_CLASSES, Keys, stream_class
 from schemas.registry import RESTING_STATES, BatcherState, PoolField, RankField, RankState
 
 STALE_AFTER_MS = 10_000
@@ -90,7 +90,17 @@ def pool_status(client: redis.Redis, keys: Keys, pool: str, now_ms: int) -> dict
             "collective": _int(info, "rank_collective_us"),
         },
         "mtp": mtp_summary(_int(info, "mtp_proposed"), _int(info, "mtp_accepted")),
+        "tenants": _tenant_load(info),
     }
+
+
+def _tenant_load(info: dict[bytes, bytes]) -> dict[str, dict[str, int]]:
+    """The pool's running and waiting requests by tenant, as its batcher last wrote them."""
+    try:
+        load = json.loads(info.get(b"tenants", b"{}"))
+    except ValueError:
+        return {}
+    return load if isinstance(load, dict) else {}
 
 
 def mtp_summary(proposed: int, accepted: int) -> dict[str, float]:
@@ -108,7 +118,8 @@ def collect_status(client: redis.Redis, keys: Keys) -> dict[str, Any]:
     """Every registered pool and the queue, as `npu-pool status --json` prints them."""
     now_ms = int(time.time() * 1000)
     pools = _pool_names(client, keys)
-    by_class = queue_depths(client, keys)
+    streams = stream_depths(client, keys)
+    by_class = _by_class(streams)
     return {
         "pools": [pool_status(client, keys, pool, now_ms) for pool in pools],
         "queue": {
@@ -116,25 +127,71 @@ def collect_status(client: redis.Redis, keys: Keys) -> dict[str, Any]:
             "in_progress": sum(pending for _, pending in by_class.values()),
             "by_priority": {str(c): d for c, (d, _) in by_class.items() if d},
             "dead": int(client.xlen(keys.dead)),
+            "tenants": tenant_queues(client, keys, streams),
         },
         "limits": namespace_limits(client, keys),
     }
 
 
-def queue_depths(client: redis.Redis, keys: Keys) -> dict[int, tuple[int, int]]:
-    """(entries, entries held by pools) of each priority class's request stream."""
+def stream_depths(client: redis.Redis, keys: Keys) -> dict[str, tuple[str, int, int]]:
+    """(tenant, entries, entries held by pools) of every request stream: each class's
+    (`default`'s) and those the tenants' requests use (`{ns}:queues`)."""
+    registered = cast(dict[bytes, bytes], client.hgetall(keys.queues))
+    owners = {stream: DEFAULT_TENANT for stream in keys.request_streams}
+    owners.update({bytes(s).decode(): bytes(t).decode() for s, t in registered.items()})
     pipe = client.pipeline(transaction=False)
-    for stream in keys.request_streams:
+    for stream in owners:
         pipe.xlen(stream)
         pipe.xinfo_groups(stream)
     replies = pipe.execute(raise_on_error=False)
-    found: dict[int, tuple[int, int]] = {}
-    for i, klass in enumerate(PRIORITY_CLASSES):
+    found: dict[str, tuple[str, int, int]] = {}
+    for i, (stream, tenant) in enumerate(owners.items()):
         depth, groups = replies[2 * i], replies[2 * i + 1]
         pending = 0
         if isinstance(groups, list):
             pending = sum(int(g["pending"]) for g in groups if g["name"] in (GROUP, GROUP.encode()))
-        found[klass] = (int(depth) if isinstance(depth, int) else 0, pending)
+        found[stream] = (tenant, int(depth) if isinstance(depth, int) else 0, pending)
+    return found
+
+
+def queue_depths(client: redis.Redis, keys: Keys) -> dict[int, tuple[int, int]]:
+    """(entries, entries held by pools) of each priority class, over every tenant's stream."""
+    return _by_class(stream_depths(client, keys))
+
+
+def _by_class(streams: dict[str, tuple[str, int, int]]) -> dict[int, tuple[int, int]]:
+    found = dict.fromkeys(PRIORITY_CLASSES, (0, 0))
+    for stream, (_, depth, pending) in streams.items():
+        klass = stream_class(stream)
+        before = found.get(klass, (0, 0))
+        found[klass] = (before[0] + depth, before[1] + pending)
+    return found
+
+
+def tenant_queues(
+    client: redis.Redis, keys: Keys, streams: dict[str, tuple[str, int, int]]
+) -> dict[str, dict[str, int | None]]:
+    """Each tenant's entries not yet delivered to a pool (`queued`), those pools hold
+    (`in_progress`) and its own `max_queue` (None: only the namespace's bound holds): every
+    tenant with entries or named by a tenants file (`{ns}:tenants`), and `default`."""
+    quotas = {
+        bytes(t).decode(): bytes(q).decode()
+        for t, q in cast(dict[bytes, bytes], client.hgetall(keys.tenants)).items()
+    }
+    counts: dict[str, tuple[int, int]] = {}
+    for tenant, depth, pending in streams.values():
+        queued, held = counts.get(tenant, (0, 0))
+        counts[tenant] = (queued + max(0, depth - pending), held + pending)
+    named = {DEFAULT_TENANT, *quotas, *(t for t, c in counts.items() if any(c))}
+    found: dict[str, dict[str, int | None]] = {}
+    for name in sorted(named):
+        queued, held = counts.get(name, (0, 0))
+        quota = quotas.get(name, "")
+        found[name] = {
+            "queued": queued,
+            "in_progress": held,
+            "max_queue": int(quota) if quota else None,
+        }
     return found
 
 

@@ -37,6 +37,7 @@ def render(
         )
     )
     parts += _limits_lines(status.get("limits", {}))
+    parts += _tenant_table(status)
     for pool in status["pools"]:
         parts.append(
             Text(
@@ -102,6 +103,32 @@ def _limits_lines(limits: dict[str, Any]) -> list[RenderableType]:
         each = "; ".join(f"{name}: max_queue {v.get('max_queue')}" for name, v in pools.items())
         lines.append(Text(f"  pools disagree ({each}): the strictest holds", style="yellow"))
     return lines
+
+
+def _tenant_table(status: dict[str, Any]) -> list[RenderableType]:
+    """Queued and running requests and `max_queue` by tenant: only when the namespace has a
+    tenants file or work of tenants besides `default`."""
+    queued = status["queue"].get("tenants", {})
+    running: dict[str, int] = {}
+    for pool in status["pools"]:
+        if pool["state"] != BatcherState.STOPPED.value:
+            for tenant, load in pool.get("tenants", {}).items():
+                running[tenant] = running.get(tenant, 0) + int(load.get("running", 0))
+    names = sorted({*queued, *running})
+    if len(names) <= 1 and not status.get("limits", {}).get("tenants_required"):
+        return []
+    table = Table()
+    for column in ("tenant", "queued", "running", "max_queue"):
+        table.add_column(column)
+    for name in names:
+        max_queue = queued.get(name, {}).get("max_queue")
+        table.add_row(
+            name,
+            str(queued.get(name, {}).get("queued", 0)),
+            str(running.get(name, 0)),
+            "-" if max_queue is None else str(max_queue),
+        )
+    return [table]
 
 
 def watch(client: redis.Redis, keys: Keys, interval_s: float = 1.0, url: str | None = None) -> None:

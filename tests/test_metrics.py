@@ -1,5 +1,5 @@
 """Prometheus endpoints of the batcher and every rank: counters move during a run and agree
-with what the result streams hold."""
+with what the result streams hold, per tenant too."""
 
 from __future__ import annotations
 
@@ -7,9 +7,14 @@ import random
 import socket
 import urllib.request
 
+import pytest
+import redis
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from batcher.metrics import BatcherMetrics, tenant_gauges
 from producer.client import Client
+from schemas.keys import Keys
 from tests.helpers import check_stream, interrupt_once_shown, wait_until
 
 
@@ -32,21 +37,62 @@ def free_port_block(size: int) -> int:
     raise RuntimeError("no free ports")
 
 
+def scrape_text(port: int) -> str:
+    """One endpoint's exposition text."""
+    return str(
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    )
+
+
 def scrape(port: int) -> dict[str, float]:
     """Samples of one endpoint, summed over label sets, by sample name."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     samples: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(scrape_text(port)):
         for sample in family.samples:
             samples[sample.name] = samples.get(sample.name, 0.0) + sample.value
     return samples
+
+
+def by_tenant(text: str, name: str) -> dict[str, float]:
+    """One sample name's values by their `tenant` label."""
+    return {
+        sample.labels["tenant"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name
+    }
+
+
+@pytest.mark.fast
+def test_tenant_gauges_give_each_tenants_queue_depth_and_load_zero_where_it_has_none(
+    redis_client: redis.Redis, client: Client
+) -> None:
+    client.submit("hi", tenant="analytics")
+    client.submit("hi", tenant="analytics", priority=2)
+    client.submit("hi")
+    load = {"batch": {"running": 3, "waiting": 1}}
+    metrics = BatcherMetrics(
+        "p", dict, set(), tenant_gauges=lambda: tenant_gauges(load, redis_client, Keys())
+    )
+
+    text = generate_latest(metrics.registry).decode()
+
+    assert by_tenant(text, "npupool_tenant_queue_depth") == {"analytics": 2, "default": 1}
+    assert by_tenant(text, "npupool_tenant_running") == {"analytics": 0, "batch": 3, "default": 0}
+    assert by_tenant(text, "npupool_tenant_waiting") == {"analytics": 0, "batch": 1, "default": 0}
+    assert 'npupool_tenant_running{pool="p",tenant="batch"} 3.0' in text
 
 
 def test_metrics_counters_move_and_match_the_result_streams(start_pool, client: Client) -> None:
     base = free_port_block(3)
     start_pool(ranks=2, metrics_port=base)
     ids = [
-        client.submit(prompt_token_ids=[5, 6, i + 2], max_tokens=60, ignore_eos=True)
+        client.submit(
+            prompt_token_ids=[5, 6, i + 2],
+            max_tokens=60,
+            ignore_eos=True,
+            tenant="analytics" if i % 3 == 0 else "default",
+        )
         for i in range(12)
     ]
     wait_until(lambda: scrape(base).get("npupool_tokens_total", 0) > 0, what="tokens counted")
@@ -67,6 +113,17 @@ def test_metrics_counters_move_and_match_the_result_streams(start_pool, client: 
     assert batcher["npupool_itl_seconds_count"] == tokens - 12
     assert 0 < batcher["npupool_queue_seconds_sum"] < batcher["npupool_ttft_seconds_sum"]
     assert batcher["npupool_admitted_total"] == 12
+    # the same tokens and first tokens by tenant, beside the pool-wide series
+    text = scrape_text(base)
+    assert by_tenant(text, "npupool_tenant_tokens_total") == {"analytics": 240, "default": 480}
+    assert by_tenant(text, "npupool_tenant_ttft_seconds_count") == {"analytics": 4, "default": 8}
+    assert set(by_tenant(text, "npupool_tenant_queue_depth")) == {"analytics", "default"}
+    wait_until(
+        lambda: (
+            by_tenant(scrape_text(base), "npupool_tenant_running") == {"analytics": 0, "default": 0}
+        ),
+        what="no tenant running after a heartbeat",
+    )
     for rank in ranks:  # every launch timed; every step counts both shapes
         launches = rank["npupool_prefill_launches_total"] + rank["npupool_decode_launches_total"]
         assert rank["npupool_launch_seconds_count"] == launches
