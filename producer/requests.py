@@ -84,9 +84,9 @@ class QueueFull(RuntimeError):
     its own `max_queue` (`tenant` names it); nothing was enqueued."""
 
     def __init__(self, depth: int, max_queue: int, tenant: str | None = None) -> None:
-        whose = f"tenant {tenant!r} has" if tenant is not None else "the namespace has"
+        whose = f"tenant {tenant!r} has " if tenant is not None else ""
         super().__init__(
-            f"queue full: {whose} {depth} outstanding requests (max_queue={max_queue}); retry later"
+            f"queue full: {whose}{depth} outstanding requests (max_queue={max_queue}); retry later"
         )
         self.depth = depth
         self.max_queue = max_queue

@@ -93,7 +93,7 @@ def test_a_tenant_over_its_max_queue_is_refused_while_another_is_admitted(
             batch.submit("x")
         assert caught.value.tenant == "batch" and caught.value.max_queue == 3
         accepted += [web.submit("y"), web.submit("y", priority=5), web.submit("y")]
-        with pytest.raises(QueueFull, match="the namespace has 6") as full:
+        with pytest.raises(QueueFull, match="queue full: 6 outstanding") as full:
             web.submit("y")  # the global bound still holds
         assert full.value.tenant is None
     assert outstanding(redis_client) == len(accepted) == 6  # nothing accepted was lost

@@ -191,9 +191,8 @@ class OutputProcessor:
             if final
             else None,
             "logprobs": logprobs,
+            "tenant": request.tenant if final else None,
         }
-        if final:
-            chunk["tenant"] = request.tenant
         output.chunks.append(
             Chunk(
                 request.request_id,
