@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
-from typing import cast
 
 import redis
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -17,8 +16,9 @@ from prometheus_client.registry import Collector
 
 from batcher.intake import Tracked
 from batcher.scheduler import PoolState, Sequence
-from schemas.keys import DEFAULT_TENANT, Keys
+from schemas.keys import Keys
 from schemas.metrics import CountsCollector
+from schemas.tenants import stream_owners
 
 STEP_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -43,9 +43,7 @@ def tenant_load(state: PoolState) -> dict[str, dict[str, int]]:
 
 def tenant_queue_depths(client: redis.Redis, keys: Keys) -> dict[str, int]:
     """Entries on each tenant's request streams, delivered or not (as `queue_depth` counts)."""
-    registered = cast(dict[bytes, bytes], client.hgetall(keys.queues))
-    owners = {stream: DEFAULT_TENANT for stream in keys.request_streams}
-    owners.update({bytes(s).decode(): bytes(t).decode() for s, t in registered.items()})
+    owners = stream_owners(client, keys)
     pipe = client.pipeline(transaction=False)
     for stream in owners:
         pipe.xlen(stream)

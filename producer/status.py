@@ -12,6 +12,7 @@ import redis
 from schemas.connection import hash_fields
 from schemas.keys import DEFAULT_TENANT, GROUP, PRIORITY_CLASSES, Keys, stream_class
 from schemas.registry import RESTING_STATES, BatcherState, PoolField, RankField, RankState
+from schemas.tenants import stream_owners
 
 STALE_AFTER_MS = 10_000
 
@@ -136,9 +137,7 @@ def collect_status(client: redis.Redis, keys: Keys) -> dict[str, Any]:
 def stream_depths(client: redis.Redis, keys: Keys) -> dict[str, tuple[str, int, int]]:
     """(tenant, entries, entries held by pools) of every request stream: each class's
     (`default`'s) and those the tenants' requests use (`{ns}:queues`)."""
-    registered = cast(dict[bytes, bytes], client.hgetall(keys.queues))
-    owners = {stream: DEFAULT_TENANT for stream in keys.request_streams}
-    owners.update({bytes(s).decode(): bytes(t).decode() for s, t in registered.items()})
+    owners = stream_owners(client, keys)
     pipe = client.pipeline(transaction=False)
     for stream in owners:
         pipe.xlen(stream)

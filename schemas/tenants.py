@@ -99,6 +99,14 @@ def request_streams(client: Any, keys: Keys) -> list[str]:
     return order_streams(keys, (bytes(s).decode() for s in registered))
 
 
+def stream_owners(client: Any, keys: Keys) -> dict[str, str]:
+    """Every request stream of the namespace -> the tenant whose requests it holds."""
+    registered = cast(dict[bytes, bytes], client.hgetall(keys.queues))
+    owners = dict.fromkeys(keys.request_streams, DEFAULT_TENANT)
+    owners.update({bytes(s).decode(): bytes(t).decode() for s, t in registered.items()})
+    return owners
+
+
 def order_streams(keys: Keys, tenant_streams: Iterable[str]) -> list[str]:
     """`default`'s class streams with `tenant_streams`, highest class first (`default`'s
     first within a class)."""
