@@ -262,6 +262,7 @@ class Batcher:
                 PoolField.MODEL: self.settings.model,
                 PoolField.MAX_MODEL_LEN: self.settings.max_model_len,
                 PoolField.STARTED_MS: int(time.time() * 1000),
+                PoolField.PLANNED: "",  # none yet: the ranks join this epoch's plan anew
             },
         )
         self._set_state(BatcherState.STARTING)
@@ -343,6 +344,9 @@ class Batcher:
         for rank in changes.joined:
             log.info("rank %d joined (%s)", rank, self.registry.incarnation(rank))
             join_rank(self.state, rank)
+        if changes.lost or changes.joined:
+            planned = ",".join(str(r) for r in sorted(self.state.ranks))
+            self.redis.hset(self.keys.pool(self.pool), PoolField.PLANNED, planned)
         if self.settings.expert_parallel and (changes.lost or changes.joined):
             self.regroup = True
         if changes.joined:

@@ -152,7 +152,8 @@ class Client:
         pipe.execute()
 
     def wait_ready(self, timeout_s: float = 60.0, pool: str | None = None) -> str:
-        """Block until a pool (or the named one) has all ranks ready; returns its name.
+        """Block until a pool (or the named one) has all ranks ready, and its batcher plans
+        for each of them; returns its name.
         Raises PoolFailed with the reason when a rank cannot start (no restart would help)."""
         deadline = time.monotonic() + timeout_s
         while True:

@@ -41,6 +41,7 @@ def pool_status(client: redis.Redis, keys: Keys, pool: str, now_ms: int) -> dict
     """One pool's entry of `npu-pool status --json`."""
     info = hash_fields(client.hgetall(keys.pool(pool)))
     num_ranks = _int(info, PoolField.RANKS)
+    planned = {int(r) for r in _text(info, PoolField.PLANNED).split(",") if r}
     ranks = []
     for rank in range(num_ranks):
         r = hash_fields(client.hgetall(keys.rank(pool, rank)))
@@ -54,6 +55,7 @@ def pool_status(client: redis.Redis, keys: Keys, pool: str, now_ms: int) -> dict
                     _text(r, RankField.STATE), _int(r, RankField.HEARTBEAT_MS), now_ms
                 ),
                 "reason": _text(r, RankField.REASON) or None,
+                "planned": rank in planned,  # the batcher plans work for it
                 "requests": [i for i in _text(r, RankField.REQUESTS).split(",") if i],
                 "progress": {
                     "what": _text(r, RankField.PROGRESS),
@@ -209,8 +211,8 @@ def namespace_limits(client: redis.Redis, keys: Keys) -> dict[str, Any]:
 
 
 def ready_pool(client: redis.Redis, keys: Keys, pool: str | None = None) -> str | None:
-    """The name of a pool whose batcher and every rank are ready, if any; PoolFailed when
-    every pool asked about has a rank that cannot start."""
+    """The name of a pool whose batcher is ready and plans for every rank, each ready, if
+    any; PoolFailed when every pool asked about has a rank that cannot start."""
     now_ms = int(time.time() * 1000)
     names = [pool] if pool else _pool_names(client, keys)
     failures = []
@@ -220,7 +222,7 @@ def ready_pool(client: redis.Redis, keys: Keys, pool: str | None = None) -> str 
         if (
             status["state"] == BatcherState.READY.value
             and status["ranks"]
-            and all(r["state"] == ready for r in status["ranks"])
+            and all(r["state"] == ready and r["planned"] for r in status["ranks"])
         ):
             return name
         failed = [r for r in status["ranks"] if r["state"] == RankState.FAILED.value]

@@ -76,6 +76,7 @@ class PoolField:
     STARTED_MS = "started_ms"
     RUNNING = "running"
     WAITING = "waiting"
+    PLANNED = "planned"  # the ranks its planner plans for, comma-separated
 
 
 @dataclass(frozen=True, slots=True)

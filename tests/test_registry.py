@@ -41,6 +41,8 @@ def test_a_rank_whose_shapes_differ_is_refused_and_the_pool_serves_on(
     start_pool, client: Client, redis_url: str
 ) -> None:
     pool = start_pool(ranks=2, decode_batch=8, max_model_len=256)
+    ranks = collect_status(client.redis, client.keys)["pools"][0]["ranks"]
+    assert [r["planned"] for r in ranks] == [True, True]  # ready: the batcher plans for both
     rank1 = next(c for c in pool.processes.children if c.name == "rank1")
     rank1.args += ["--decode-batch", "4"]  # the supervisor restarts it with these flags
     pool.processes.kill("rank1")
@@ -52,6 +54,8 @@ def test_a_rank_whose_shapes_differ_is_refused_and_the_pool_serves_on(
     wait_until(refused, timeout_s=120, what="rank 1 refused")
     reason = collect_status(client.redis, client.keys)["pools"][0]["ranks"][1]["reason"]
     assert reason == ("its launch shapes differ from the pool's: decode_batch 4 (pool: 8)"), reason
+    ranks = collect_status(client.redis, client.keys)["pools"][0]["ranks"]
+    assert [r["planned"] for r in ranks] == [True, False]
     wait_until(lambda: rank1.failed, timeout_s=60, what="the refused rank to exit, failed")
     assert rank1.process is not None and rank1.process.returncode == 3
     log = (pool.processes.log_dir / "rank1.log").read_text()  # type: ignore[operator]
