@@ -16,13 +16,18 @@ under its share takes a slot from the tenant most over its own when the two dist
 up to more than a slot, of the same priority class or lower (the planner's
 `_preempt_for_share`); where no such pair is left, every tenant is within one slot of its
 share.
+
+A rank's prefill launches go to its admitted prompts by the class rule, then by *virtual
+time*: the tenant with the fewest prefilled tokens over its weight first (`prefill_order`;
+the planner keeps the times). Every prompt served advances its tenant's time, so no
+admitted prompt waits for ever.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -64,16 +69,55 @@ def fair_order(
     """`seqs` (most urgent first, then oldest) in the order the rule above serves them,
     each tenant starting from what it holds in `held` (not changed), shares taken of
     `capacity` slots."""
+    queues = _queues(seqs)
+    if len(queues) <= 1:
+        return list(seqs)
+    active = {name for name, n in held.items() if n > 0} | queues.keys()
+    shares = fair_shares(active, capacity, tenants)
+    standing = {name: held.get(name, 0) - shares[name] for name in queues}
+    return _serve(queues, standing, lambda seq: 1.0)
+
+
+def prefill_order(
+    seqs: list[Sequence],
+    served: Mapping[str, float],
+    tenants: Mapping[str, TenantShare],
+    most_tokens: int,
+) -> list[Sequence]:
+    """Prompts waiting for prefill on a rank (most urgent first, then oldest) in the order
+    that shares prefill tokens by weight: the class rule above, then the tenant with the
+    least virtual time (`served`: tokens prefilled over weight, not changed), which each
+    prompt served advances by its remaining tokens (at most `most_tokens`, what a step could
+    prefill) over the weight. Every tenant's time advances as it is served, so no prompt
+    waits for ever, whatever its requests do after."""
+    queues = _queues(seqs)
+    if len(queues) <= 1:
+        return list(seqs)
+
+    def cost(seq: Sequence) -> float:
+        tokens = min(seq.num_prompt_tokens - seq.num_prefilled, most_tokens)
+        return tokens / share_of(tenants, seq.tenant).weight
+
+    return _serve(queues, {name: served.get(name, 0.0) for name in queues}, cost)
+
+
+def _queues(seqs: list[Sequence]) -> dict[str, deque[Sequence]]:
     queues: dict[str, deque[Sequence]] = {}
     for seq in seqs:
         queues.setdefault(seq.tenant, deque()).append(seq)
-    if len(queues) <= 1:
-        return list(seqs)
-    counts = dict(held)
-    active = {name for name, n in held.items() if n > 0} | queues.keys()
-    shares = fair_shares(active, capacity, tenants)
+    return queues
+
+
+def _serve(
+    queues: dict[str, deque[Sequence]],
+    standing: dict[str, float],
+    cost: Callable[[Sequence], float],
+) -> list[Sequence]:
+    """Serve the tenants' queues by the class rule, lowest standing first within the class
+    (ties: the more urgent head, then the older); serving a request adds its cost to its
+    tenant's standing."""
     # each tenant's head sits in two heaps: by urgency (which class goes next) and in its
-    # class's heap by distance from its share; an entry of an older head is skipped
+    # class's heap by standing; an entry of an older head is skipped
     version = dict.fromkeys(queues, 0)
     by_urgency: list[tuple[float, int, str, int]] = []
     by_class: dict[int, list[tuple[float, float, int, str, int]]] = {}
@@ -82,8 +126,7 @@ def fair_order(
         head = queues[name][0]
         ver = version[name]
         heapq.heappush(by_urgency, (-head.urgency, head.order, name, ver))
-        below = counts.get(name, 0) - shares[name]
-        entry = (below, -head.urgency, head.order, name, ver)
+        entry = (standing[name], -head.urgency, head.order, name, ver)
         heapq.heappush(by_class.setdefault(head.priority, []), entry)
 
     for name in queues:
@@ -97,8 +140,9 @@ def fair_order(
             heapq.heappop(heap)
         name = heapq.heappop(heap)[3]
         queue = queues[name]
-        served.append(queue.popleft())
-        counts[name] = counts.get(name, 0) + 1
+        seq = queue.popleft()
+        served.append(seq)
+        standing[name] += cost(seq)
         version[name] += 1
         if queue:
             push(name)

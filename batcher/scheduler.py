@@ -11,12 +11,23 @@ launches, and lists the running requests their ranks must end (stopped or preemp
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from operator import attrgetter
 
-from batcher.fairness import EPSILON, TenantShare, at_cap, fair_order, fair_shares
+from batcher.fairness import (
+    EPSILON,
+    TenantShare,
+    at_cap,
+    fair_order,
+    fair_shares,
+    prefill_order,
+    share_of,
+)
 from schemas.control import PREEMPTED, PrefillChunk
 from schemas.keys import DEFAULT_TENANT
+
+_TENANT = attrgetter("tenant")
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +163,15 @@ class PoolState:
     stops: list[PlannedStop] = field(default_factory=list)  # stopped since the last plan
     # tenants' fair shares by (the tenants running or waiting, capacity): they seldom change
     shares: dict[tuple[frozenset[str], int], dict[str, float]] = field(default_factory=dict)
+    # running requests by tenant, those being ended left out; and how many are being ended
+    occupancy: Counter[str] = field(default_factory=Counter)
+    leaving: int = 0
+    version: int = 0  # moves with every change of `occupancy`
+    # (version, tenants waiting, capacity) where no slot could move between tenants
+    settled: tuple[int, frozenset[str], int] | None = None
+    # tenants' prefill virtual times (tokens prefilled over weight) and the least of them
+    prefill_served: dict[str, float] = field(default_factory=dict)
+    prefill_floor: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.free_slots:
@@ -179,6 +199,42 @@ class PoolState:
         """How many requests the live ranks could run at once."""
         return min(self.config.max_num_seqs, self.config.kv_slots_per_rank * len(self.ranks))
 
+    def add_running(self, seq: Sequence) -> None:
+        """Count a request in as running (on the rank and slot it names)."""
+        self.running[seq.request_id] = seq
+        self.version += 1
+        if seq.stopping:
+            self.leaving += 1
+        else:
+            self.occupancy[seq.tenant] += 1
+
+    def remove_running(self, request_id: str) -> Sequence | None:
+        """Count a running request out; returns it (None: it was not running)."""
+        seq = self.running.pop(request_id, None)
+        if seq is not None:
+            self.version += 1
+            if seq.stopping:
+                self.leaving -= 1
+            else:
+                self._occupy(seq.tenant, -1)
+        return seq
+
+    def mark_stopping(self, seq: Sequence, preempting: bool = False) -> None:
+        """A running request's rank is to end it (and, preempting, give its slot back)."""
+        if not seq.stopping:
+            seq.stopping = True
+            self.version += 1
+            self.leaving += 1
+            self._occupy(seq.tenant, -1)
+        seq.preempting = seq.preempting or preempting
+
+    def _occupy(self, tenant: str, change: int) -> None:
+        left = self.occupancy[tenant] + change
+        if left:
+            self.occupancy[tenant] = left
+        else:
+            del self.occupancy[tenant]  # its keys are the tenants running
+
 
 def plan_step(state: PoolState) -> StepPlan:
     """Admit what fits (preempting for much more urgent requests), then plan decode for every
@@ -200,14 +256,14 @@ def plan_step(state: PoolState) -> StepPlan:
     if not may_wait:
         state.decode_stalls.clear()
     plan.decode_launches = _plan_decode(decoding, state.config, lockstep_ranks=by_rank)
-    plan.prefill = _plan_prefill(by_rank, state.config)
+    plan.prefill = _plan_prefill(by_rank, state)
     return plan
 
 
 def finish(state: PoolState, request_id: str) -> Sequence | None:
     """Remove a finished (or cancelled, or failed) request and free its slot."""
     state.stops = [s for s in state.stops if s.seq.request_id != request_id]
-    seq = state.running.pop(request_id, None)
+    seq = state.remove_running(request_id)
     if seq is None:
         waiting = [s for s in state.waiting if s.request_id == request_id]
         for s in waiting:
@@ -224,7 +280,7 @@ def stop(state: PoolState, request_id: str, reason: str) -> Sequence | None:
     """Plan nothing more for a running request; the next plan tells its rank to end it."""
     seq = state.running.get(request_id)
     if seq is not None:
-        seq.stopping = True
+        state.mark_stopping(seq)
         state.stops.append(PlannedStop(seq, reason))
     return seq
 
@@ -236,7 +292,7 @@ def lose_rank(state: PoolState, rank: int) -> list[Sequence]:
     state.stops = [s for s in state.stops if s.seq.rank != rank]
     lost = [s for s in state.running.values() if s.rank == rank]
     for seq in lost:
-        del state.running[seq.request_id]
+        state.remove_running(seq.request_id)
     return lost
 
 
@@ -269,7 +325,7 @@ def _admit(state: PoolState) -> list[Sequence]:
             break
         seq.rank = rank
         seq.slot = state.free_slots[rank].pop(0)
-        state.running[seq.request_id] = seq
+        state.add_running(seq)
         admitted.append(seq)
         if held is not None:
             held[seq.tenant] += 1
@@ -286,8 +342,8 @@ def preempt_threshold(state: PoolState) -> float | None:
     margin = state.config.preempt_margin
     if margin is None or state.waiting or state.room() > 0:
         return None
-    victims = _victims(state)
-    return victims[0].urgency + margin if victims else None
+    victim = _least_urgent(state)
+    return victim.urgency + margin if victim is not None else None
 
 
 def _preempt(state: PoolState) -> list[Sequence]:
@@ -297,11 +353,15 @@ def _preempt(state: PoolState) -> list[Sequence]:
     if margin is None or not state.waiting:
         return []
     pending = sum(1 for s in state.running.values() if s.preempting)
+    first = _least_urgent(state)
+    heads = state.waiting[pending:]
+    if first is None or not heads or heads[0].urgency <= first.urgency + margin:
+        return []  # (the common case, without sorting every running request)
     preempted: list[Sequence] = []
-    for head, victim in zip(state.waiting[pending:], _victims(state)):
+    for head, victim in zip(heads, _victims(state)):
         if head.urgency <= victim.urgency + margin:
             break
-        victim.stopping = victim.preempting = True
+        state.mark_stopping(victim, preempting=True)
         preempted.append(victim)
     return preempted
 
@@ -317,24 +377,21 @@ def _preempt_for_share(state: PoolState) -> list[Sequence]:
     config = state.config
     if config.preempt_margin is None or not state.waiting:
         return []
-    ranks = state.ranks
-    occupancy: Counter[str] = Counter()
-    leaving = 0  # slots being given back
-    for seq in state.running.values():
-        if seq.rank in ranks:
-            if seq.stopping:
-                leaving += 1
-            else:
-                occupancy[seq.tenant] += 1
-    waiting = {s.tenant for s in state.waiting}
-    active = occupancy.keys() | waiting
+    held = state.occupancy
+    waiting = frozenset(map(_TENANT, state.waiting))
+    seen = (state.version, waiting, state.capacity())
+    if seen == state.settled:
+        return []  # as when last looked at: nothing can move
+    active = held.keys() | waiting
     if len(active) < 2:
         return []
     shares = _shares(state, active)
-    most_over = max(occupancy[n] - shares[n] for n in active)
-    if most_over + max(shares[n] - occupancy[n] for n in waiting) <= 1 + EPSILON:
+    most_over = max(held[n] - shares[n] for n in active)
+    if most_over + max(shares[n] - held[n] for n in waiting) <= 1 + EPSILON:
+        state.settled = seen
         return []  # no pair could move a slot (what is being freed only narrows it)
-    freeing = state.room() + leaving
+    occupancy = Counter(held)
+    freeing = state.room() + state.leaving
     victims: dict[str, list[Sequence]] = {}
     for seq in _victims(state):
         victims.setdefault(seq.tenant, []).append(seq)
@@ -368,7 +425,7 @@ def _preempt_for_share(state: PoolState) -> list[Sequence]:
             continue
         ranked = None
         victim = victims[donor].pop(0)
-        victim.stopping = victim.preempting = True
+        state.mark_stopping(victim, preempting=True)
         preempted.append(victim)
         occupancy[donor] -= 1
         occupancy[tenant] += 1
@@ -386,12 +443,40 @@ def _shares(state: PoolState, active: Iterable[str]) -> dict[str, float]:
     return found
 
 
+def _prefill_clock(state: PoolState, tenants: set[str]) -> dict[str, float] | None:
+    """The tenants' prefill virtual times, for the tenants with prompts waiting (None: one
+    tenant or none, nothing to share). A tenant back after waiting for nothing starts from
+    the least time of those that waited: what it did not ask for is not owed to it."""
+    if len(tenants) < 2:
+        state.prefill_served.clear()
+        state.prefill_floor = 0.0
+        return None
+    floor, kept = state.prefill_floor, state.prefill_served
+    # a tenant ahead of the others, with nothing waiting now, keeps its time for its return
+    served = {name: t for name, t in kept.items() if t > floor}
+    for name in tenants:
+        served[name] = max(served.get(name, floor), floor)
+    state.prefill_served = served
+    return served
+
+
 def _victims(state: PoolState) -> list[Sequence]:
     """Running requests that could give their slot back, least urgent (then newest) first."""
-    return sorted(
-        (s for s in state.running.values() if not s.stopping and s.rank in state.ranks),
-        key=lambda s: (s.urgency, -s.order),
-    )
+    return sorted(_could_give(state), key=_victim_order)
+
+
+def _least_urgent(state: PoolState) -> Sequence | None:
+    """The first of `_victims`, if any."""
+    return min(_could_give(state), key=_victim_order, default=None)
+
+
+def _could_give(state: PoolState) -> Iterator[Sequence]:
+    ranks = state.ranks
+    return (s for s in state.running.values() if not s.stopping and s.rank in ranks)
+
+
+def _victim_order(seq: Sequence) -> tuple[float, int]:
+    return seq.urgency, -seq.order
 
 
 def _pick_rank(state: PoolState, isolated: bool) -> int | None:
@@ -470,22 +555,26 @@ def _plan_decode(
 
 
 def _plan_prefill(
-    by_rank: dict[int, list[Sequence]], config: PlannerConfig
+    by_rank: dict[int, list[Sequence]], state: PoolState
 ) -> dict[int, list[list[PrefillChunk]]]:
     """Up to `prefill_slots` launches per rank of up to `prefill_chunk` tokens each, filled
-    most urgent request first (several tenants' prompts in their fair order, from the rows
-    each decodes on the rank). Packed, a launch holds segments of several requests back to
-    back (a long prompt's last part shares its launch with the next prompts); unpacked, one
-    request's chunk. An empty launch is a lockstep dummy."""
+    most urgent request first (several tenants' prompts in their fair order: prefill
+    tokens shared by weight, `fairness.prefill_order`). Packed, a launch holds segments of
+    several requests back to back (a long prompt's last part shares its launch with the
+    next prompts); unpacked, one request's chunk. An empty launch is a lockstep dummy."""
+    config = state.config
     prefill: dict[int, list[list[PrefillChunk]]] = {}
     per_launch = config.prefill_segments if config.pack_prefill else 1
-    for rank, seqs in by_rank.items():
-        pending = sorted((s for s in seqs if s.wants_prefill), key=lambda s: (-s.urgency, s.order))
-        if len(pending) > 1 and (
-            config.tenants or any(s.tenant != pending[0].tenant for s in pending)
-        ):
-            decoding = Counter(s.tenant for s in seqs if s.is_prefilled and not s.stopping)
-            pending = fair_order(pending, decoding, config.tenants, config.kv_slots_per_rank)
+    wanting = {
+        rank: sorted((s for s in seqs if s.wants_prefill), key=lambda s: (-s.urgency, s.order))
+        for rank, seqs in by_rank.items()
+    }
+    waiting = {s.tenant for seqs in wanting.values() for s in seqs}
+    served = _prefill_clock(state, waiting)
+    for rank, pending in wanting.items():
+        if served is not None and len(pending) > 1:
+            most = config.prefill_chunk * config.prefill_slots
+            pending = prefill_order(pending, served, config.tenants, most)
         launches: list[list[PrefillChunk]] = []
         while pending and len(launches) < config.prefill_slots:
             room, launch = config.prefill_chunk, list[PrefillChunk]()
@@ -495,6 +584,8 @@ def _plan_prefill(
                 launch.append(PrefillChunk(seq.slot, seq.num_prefilled, num_tokens, seq.request_id))
                 seq.num_prefilled += num_tokens
                 room -= num_tokens
+                if served is not None:
+                    served[seq.tenant] += num_tokens / share_of(config.tenants, seq.tenant).weight
                 if seq.is_prefilled:
                     seq.num_planned_tokens += 1  # the step that completes a prompt samples a token
                     pending.pop(0)
@@ -503,6 +594,8 @@ def _plan_prefill(
             launches.append(launch)
         if launches:
             prefill[rank] = launches
+    if served is not None:
+        state.prefill_floor = min(served[name] for name in waiting)
     if config.lockstep and prefill:
         most = max(len(c) for c in prefill.values())
         for rank in by_rank:

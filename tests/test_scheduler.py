@@ -72,7 +72,7 @@ def place(
         request_id, 10, 16, order=order, rank=rank, slot=slot, num_prefilled=10 if prefilled else 0
     )
     state.free_slots[rank].remove(slot)
-    state.running[request_id] = seq
+    state.add_running(seq)
     return seq
 
 

@@ -115,6 +115,8 @@ def simulate(
             for s in [*state.waiting, *state.running.values()]
         }
         plan = plan_step(state)
+        assert state.leaving == sum(s.stopping for s in state.running.values())
+        assert sum(state.occupancy.values()) == len(state.running) - state.leaving
         for check in checks:
             check(state, plan, before)
         trace.admitted += plan.admitted

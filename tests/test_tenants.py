@@ -14,7 +14,7 @@ import redis
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batcher.fairness import TenantShare, fair_order, fair_shares
+from batcher.fairness import TenantShare, fair_order, fair_shares, prefill_order
 from batcher.limits import publish_tenants
 from batcher.scheduler import PlannerConfig, PoolState, Sequence, finish, plan_step
 from producer.client import Client, QueueFull, UnknownTenant
@@ -190,6 +190,9 @@ def simulate_backlog(
             while sum(1 for s in state.waiting if s.tenant == tenant) < capacity:
                 arrive(tenant)
         plan = plan_step(state)
+        running = state.running.values()  # the planner's own counts agree with a recount
+        assert state.occupancy == Counter(s.tenant for s in running if not s.stopping)
+        assert state.leaving == sum(s.stopping for s in running)
         releasing = list(plan.preempted)
         step_tokens: Counter[str] = Counter()
         for launch in plan.decode_launches:
@@ -202,6 +205,23 @@ def simulate_backlog(
                 finish(state, seq.request_id)
     shares = fair_shares(tenants, capacity, tenants)
     return occupancy, tokens, shares
+
+
+@pytest.mark.fast
+def test_prefill_shares_tokens_by_weight_and_starves_no_prompt() -> None:
+    tenants = {"a": TenantShare(weight=2.0)}
+    seqs = [make_seq(f"a{i}", "a", i, 1) for i in range(6)]  # 4-token prompts
+    seqs += [make_seq(f"b{i}", "b", 10 + i, 1) for i in range(6)]
+    order = [s.request_id for s in prefill_order(seqs, {"b": 4.0}, tenants, most_tokens=512)]
+    # virtual times: a from 0 by 4 / 2 a prompt, b from 4 by 4 (ties: the older head)
+    assert order == ["a0", "a1", "a2", "b0", "a3", "a4", "b1", "a5", "b2", "b3", "b4", "b5"]
+
+    # t0 holds more slots than its share with requests that end at their prefill, and t1's
+    # new prompts keep arriving: t0's prompts are still prefilled, slots turn over, and
+    # the occupancy settles at the shares (ordered by decoding rows, t0's never were)
+    occupancy, _, shares = simulate_backlog([1, 2], 14, 1, [1], preempt=False)
+    for running in occupancy[60:]:
+        assert all(abs(running[t] - share) < 1 + 1e-9 for t, share in shares.items()), running
 
 
 @pytest.mark.fast
