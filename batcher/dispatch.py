@@ -42,6 +42,7 @@ def rank_plans(
                 admission=seq.admission,
                 result_ttl_s=entry.ttl_s(settings.result_ttl_s),
                 tenant=entry.request.tenant,
+                grammar=constraint.compiled() if (constraint := entry.request.constraint) else None,
             )
         )
     for launch in plan.decode_launches:

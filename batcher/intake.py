@@ -104,6 +104,15 @@ def parse_entry(
             f"within max_model_len={limit}",
             len(prompt_ids),
         )
+    outside = [int(t) for t in request.sampling.logit_bias if int(t) >= facts.vocab_size]
+    if outside:
+        raise Rejected(
+            request.id,
+            "invalid_request",
+            f"field `sampling.logit_bias`: token id {outside[0]} is outside the "
+            f"vocabulary of {facts.vocab_size}",
+            len(prompt_ids),
+        )
     if request.sampling.max_tokens > limit:
         raise Rejected(
             request.id,

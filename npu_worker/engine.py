@@ -14,11 +14,14 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from npu_worker.constraints import ConstraintError, Constraints
+from npu_worker.logits import RowRules, mask
 from npu_worker.mtp import Acceptance, accept_drafts
 from npu_worker.output.records import StepRecord, TokenRow
 from npu_worker.runner import LaunchRunner
@@ -43,6 +46,9 @@ class SlotState:
     stop_ids: frozenset[int]  # EOS (unless ignored) and stop_token_ids
     logprobs: int | None
     greedy: bool
+    num_prompt_tokens: int = 0  # the original prompt's: what follows is output (penalties)
+    rules: RowRules | None = None  # penalties and bias
+    matcher: Any = None  # its constraint's llguidance matcher
     new_ids: list[int] = field(default_factory=list)  # tokens of the current step
     new_logprobs: list[dict[str, Any]] = field(default_factory=list)
     finish: str | None = None
@@ -52,6 +58,11 @@ class SlotState:
     def decoding(self) -> bool:
         """True once its prompt is prefilled and while it has not ended."""
         return self.finish is None and len(self.token_ids) > self.num_context_tokens
+
+    @property
+    def adjusted(self) -> bool:
+        """True when its logits are changed before it samples (beyond `min_tokens`)."""
+        return self.rules is not None or self.matcher is not None
 
 
 @dataclass(slots=True)
@@ -72,12 +83,14 @@ class RankEngine:
         max_model_len: int,
         rank: int = 0,
         lockstep: bool = False,
+        constraints: Constraints | None = None,
     ) -> None:
         self.runner = runner
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
         self.rank = rank
         self.lockstep = lockstep
+        self.constraints = constraints
         self.epoch = -1
         self.slots: dict[int, SlotState] = {}
         self.table = SamplingTable(runner.state.num_slots, runner.device)
@@ -158,7 +171,7 @@ class RankEngine:
         seed = sampling.seed if sampling.seed is not None else _seed_of(new.request_id)
         self.table.set(new.slot, sampling, seed)
         eos = frozenset() if sampling.ignore_eos else self.eos_token_ids
-        return SlotState(
+        state = SlotState(
             request_id=new.request_id,
             slot=new.slot,
             admission=new.admission,
@@ -170,7 +183,18 @@ class RankEngine:
             stop_ids=eos | frozenset(sampling.stop_token_ids),
             logprobs=sampling.logprobs,
             greedy=sampling.temperature == 0,
+            num_prompt_tokens=new.num_prompt_tokens,
+            rules=RowRules.of(sampling),
         )
+        if new.grammar is not None:
+            try:
+                if self.constraints is None:
+                    raise ValueError("this rank serves no constrained output")
+                resumed = new.prompt_token_ids[new.num_prompt_tokens :]
+                state.matcher = self.constraints.matcher(new.grammar, resumed)
+            except Exception as exc:
+                self._fail(state, exc)
+        return state
 
     # -- launches -------------------------------------------------------------------------
 
@@ -184,11 +208,12 @@ class RankEngine:
         if self.runner.mtp:
             self._verify(live, states, record)
             return
+        masks = self._masks_soon(states)  # computed while the launch runs
         logits = self.runner.decode(
             live, [st.token_ids[-1] for st in states], [len(st.token_ids) - 1 for st in states]
         )
         if states:
-            self._sample(states, logits)
+            self._sample(states, logits, masks)
 
     def _prefill(self, launch: list[PrefillChunk], record: StepRecord) -> None:
         """One prefill launch: one request's chunk, or (packed) several requests' segments.
@@ -231,13 +256,25 @@ class RankEngine:
     def _verify(self, live: list[int], states: list[SlotState], record: StepRecord) -> None:
         """MTP decode: verify each row's draft, commit one or two tokens, draft again."""
         max_position = max((len(s.token_ids) - 1 for s in states), default=0)
+        masks = self._masks_soon(states)  # the first position's, while the launch runs
         verify = self.runner.verify(live, max_position)
         if not states:  # all padding: the draft launch still runs, as on every other rank
             nothing = torch.zeros(0, dtype=torch.long, device=self.runner.device)
             self.runner.commit(verify, nothing, nothing, nothing.bool())
             return
         logits = self._ban_early_stops(states, verify.logits)
-        decided = self._accept(states, logits, verify.drafts)
+        scores = logits
+        if any(s.adjusted for s in states):
+            try:
+                scores = self._adjust_verify(states, logits, verify.drafts, masks)
+            except Exception:  # one row's rules failed: each row is adjusted alone
+                scores = torch.cat(
+                    [
+                        self._adjust_verify_alone(states, i, logits, verify.drafts)
+                        for i in range(len(states))
+                    ]
+                )
+        decided = self._accept(states, scores, verify.drafts)
         self.runner.commit(verify, decided.first, decided.second, decided.accepted)
         firsts, seconds = decided.first.tolist(), decided.second.tolist()
         accepted = decided.accepted.tolist()
@@ -254,20 +291,29 @@ class RankEngine:
 
     # -- sampling -------------------------------------------------------------------------
 
-    def _sample(self, states: list[SlotState], logits: torch.Tensor) -> None:
+    def _sample(
+        self,
+        states: list[SlotState],
+        logits: torch.Tensor,
+        masks: Future[torch.Tensor] | None = None,
+    ) -> None:
         """Sample one token per row (kept on the device until the step ends). If the
         launch's sampling raises, each row is sampled alone (draws depend only on the row),
         so only the failing request ends."""
         try:
             if any(s.next_index < s.min_tokens for s in states):
                 logits = self._ban_early_stops(states, logits[:, None])[:, 0]
+            scores = logits  # logprobs stay the model's own; the rules change what is drawn
+            if any(s.adjusted for s in states):
+                allowed = masks.result() if masks is not None else self._masks_now(states)
+                scores = self._adjust(states, logits[:, None], [allowed], None)[:, 0]
             if all(s.greedy for s in states):  # the common case needs no sampling tensors
-                tokens = logits.argmax(dim=-1)
+                tokens = scores.argmax(dim=-1)
             else:
                 rows = self.table.rows(
                     [s.slot for s in states], [s.next_index for s in states], all_greedy=False
                 )
-                tokens = sample(logits, rows)
+                tokens = sample(scores, rows)
             if any(s.logprobs is not None for s in states):  # rare: computed right away
                 chosen = tokens.tolist()
                 for state, entry in zip(states, self._logprobs(states, logits, chosen)):
@@ -299,10 +345,84 @@ class RankEngine:
         if logprob is not None:
             state.new_logprobs.append(logprob)
         self.touched[state.slot] = state
-        if state.next_index >= state.min_tokens and token in state.stop_ids:
+        matcher = state.matcher
+        if matcher is not None and not matcher.consume_token(token):
+            self._fail(state, ConstraintError(f"token {token} breaks the constraint"))
+        elif (state.next_index >= state.min_tokens and token in state.stop_ids) or (
+            matcher is not None and matcher.is_stopped()  # the constraint is complete
+        ):
             state.finish = "stop"
         elif state.next_index >= state.max_tokens or len(state.token_ids) >= self.max_model_len:
             state.finish = "length"
+
+    # -- a request's own rules ------------------------------------------------------------
+
+    def _masks_soon(self, states: list[SlotState]) -> Future[torch.Tensor] | None:
+        """The constrained rows' masks, computed on the helper thread; None if none is."""
+        matchers = [s.matcher for s in states if s.matcher is not None]
+        if not matchers or self.constraints is None:
+            return None
+        return self.constraints.masks_soon(matchers)
+
+    def _masks_now(self, states: list[SlotState]) -> torch.Tensor | None:
+        matchers = [s.matcher for s in states if s.matcher is not None]
+        if not matchers or self.constraints is None:
+            return None
+        return self.constraints.masks(matchers)
+
+    def _adjust(
+        self,
+        states: list[SlotState],
+        logits: torch.Tensor,
+        allowed: list[torch.Tensor | None],
+        drafts: list[int] | None,
+    ) -> torch.Tensor:
+        """Logits [rows, positions, vocab] (float32, a copy) after each row's penalties,
+        bias and constraint; `allowed[p]` holds the constrained rows' masks at position p
+        (in row order), `drafts` the rows' draft tokens, seen from position 1 on."""
+        out = logits.to(torch.float32, copy=True)
+        constrained = [i for i, s in enumerate(states) if s.matcher is not None]
+        for p in range(out.shape[1]):
+            for i, state in enumerate(states):
+                if state.rules is not None:
+                    extra = [drafts[i]] if p and drafts is not None else []
+                    output = state.token_ids[state.num_prompt_tokens :] + extra
+                    state.rules.apply(out[i, p], state.token_ids + extra, output)
+            masks = allowed[p]
+            if masks is not None:
+                for k, i in enumerate(constrained):
+                    mask(out[i, p], masks[k])
+        return out
+
+    def _adjust_verify(
+        self,
+        states: list[SlotState],
+        logits: torch.Tensor,
+        drafts: torch.Tensor,
+        masks: Future[torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """A verify launch's logits after the rows' rules: the second position's mask is
+        what the constraint allows after the draft."""
+        draft_ids = drafts.tolist()
+        first = masks.result() if masks is not None else self._masks_now(states)
+        second = None
+        if first is not None and self.constraints is not None:
+            constrained = [i for i, s in enumerate(states) if s.matcher is not None]
+            second = self.constraints.draft_masks(
+                [states[i].matcher for i in constrained], [draft_ids[i] for i in constrained]
+            )
+        return self._adjust(states, logits, [first, second], draft_ids)
+
+    def _adjust_verify_alone(
+        self, states: list[SlotState], i: int, logits: torch.Tensor, drafts: torch.Tensor
+    ) -> torch.Tensor:
+        """Row i of a verify launch adjusted alone; a row whose rules raise fails its
+        request and keeps the model's logits."""
+        try:
+            return self._adjust_verify([states[i]], logits[i : i + 1], drafts[i : i + 1], None)
+        except Exception as exc:
+            self._fail(states[i], exc)
+            return logits[i : i + 1].float()
 
     def _ban_early_stops(self, states: list[SlotState], logits: torch.Tensor) -> torch.Tensor:
         """Logits [rows, positions, vocab] with stop tokens forbidden where `min_tokens` says

@@ -20,6 +20,7 @@ import uuid
 import redis
 from prometheus_client import CollectorRegistry
 
+from npu_worker.constraints import Constraints
 from npu_worker.engine import RankEngine
 from npu_worker.expert_parallel import LOOPBACK, ExpertParallel, Rendezvous
 from npu_worker.models.moe import ExpertModel
@@ -213,6 +214,9 @@ class Worker:
             settings.max_model_len,
             rank=self.rank,
             lockstep=settings.lockstep,
+            constraints=Constraints(
+                loaded.tokenizer.to_str(), loaded.config.vocab_size, loaded.config.eos_token_ids
+            ),
         )
 
     def _serve_once(self, engine: RankEngine, output: OutputProcess, plans: PlanReader) -> None:

@@ -15,6 +15,7 @@ from producer.requests import (
     QueueFull,
     RequestFailed,
     RequestTooLarge,
+    Schemas,
     UnknownTenant,
     admission_call,
     assemble,
@@ -74,6 +75,7 @@ class Client:
         self.min_replicas_ack = replicas_to_wait(self.url, wanted)
         self.ack_timeout_ms = int(settings.replica_ack_timeout_s * 1000)
         self._admit = self.redis.register_script(ADMIT_SCRIPT)
+        self.schemas = Schemas()
 
     def submit(
         self,
@@ -87,7 +89,10 @@ class Client:
         tenant's share of it) is at max_queue, UnknownTenant for a tenant the pool refuses."""
         if self.tenant is not None:
             options.setdefault("tenant", self.tenant)
-        return self.enqueue(build_request(prompt, prompt_token_ids, request_id, options))
+        wanted = options.get("constraint")
+        request_id = self.enqueue(build_request(prompt, prompt_token_ids, request_id, options))
+        self.schemas.remember(request_id, wanted)
+        return request_id
 
     def enqueue(
         self, request: GenerateRequest, mark: tuple[str, str, str | int] | None = None
@@ -125,8 +130,9 @@ class Client:
                     return
 
     def result(self, request_id: str, timeout_s: float | None = None) -> Completion:
-        """Wait for the whole completion."""
-        return assemble(request_id, list(self.stream(request_id, timeout_s)))
+        """Wait for the whole completion; `parsed` holds its JSON (validated by the model
+        class given as its constraint) where this client submitted it asking for JSON."""
+        return self.schemas.parse(assemble(request_id, list(self.stream(request_id, timeout_s))))
 
     def generate(
         self, prompt: str | None = None, *, timeout_s: float | None = None, **options: Any
@@ -206,6 +212,7 @@ class AsyncClient:
         self.max_stream_connections = max_stream_connections
         self._mux: StreamMux | None = None
         self._admit = self.redis.register_script(ADMIT_SCRIPT)
+        self.schemas = Schemas()
 
     async def submit(
         self,
@@ -219,8 +226,10 @@ class AsyncClient:
         tenant's share of it) is at max_queue, UnknownTenant for a tenant the pool refuses."""
         if self.tenant is not None:
             options.setdefault("tenant", self.tenant)
+        wanted = options.get("constraint")
         request = build_request(prompt, prompt_token_ids, request_id, options)
         keys, args = admission_call(self.keys, request, self.max_queue)
+        self.schemas.remember(request.id, wanted)
         if not self.min_replicas_ack:
             parse_admission(await self._admit(keys=keys, args=args), request.tenant)
             return request.id
@@ -266,7 +275,8 @@ class AsyncClient:
 
     async def result(self, request_id: str, timeout_s: float | None = None) -> Completion:
         """Wait for the whole completion."""
-        return assemble(request_id, [c async for c in self.stream(request_id, timeout_s)])
+        chunks = [c async for c in self.stream(request_id, timeout_s)]
+        return self.schemas.parse(assemble(request_id, chunks))
 
     async def generate(
         self, prompt: str | None = None, *, timeout_s: float | None = None, **options: Any

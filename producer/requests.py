@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import redis
-from pydantic import ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from schemas.codec import encode
+from schemas.constraints import Constraint, JsonObject, JsonSchema
 from schemas.keys import DEFAULT_TENANT, Keys
 from schemas.messages import Completion, GenerateRequest, ResultChunk, SamplingParams
 from schemas.tenants import MAX_TENANT_STREAMS
@@ -173,6 +176,7 @@ def build_request(
     """A GenerateRequest from `submit` arguments; unknown keywords are a TypeError."""
     sampling = {k: options.pop(k) for k in list(options) if k in SAMPLING_FIELDS}
     allowed = {"messages", "priority", "deadline_ms", "tenant", "result_ttl_s", "metadata"}
+    constraint = constraint_of(options.pop("constraint", None))
     unknown = set(options) - allowed
     if unknown:
         raise TypeError(f"unknown submit() keyword(s): {', '.join(sorted(unknown))}")
@@ -181,8 +185,55 @@ def build_request(
         prompt=prompt,
         prompt_token_ids=prompt_token_ids,
         sampling=SamplingParams(**sampling),
+        constraint=constraint,
         **options,
     )
+
+
+_CONSTRAINT: TypeAdapter[Any] = TypeAdapter(Constraint)
+
+# What `submit(constraint=...)` takes: a wire constraint (model or map), or a pydantic
+# model class, whose JSON schema the output must match (strictly, as OpenAI's `parse`).
+ConstraintLike = Constraint | Mapping[str, Any] | type[BaseModel] | None
+
+
+def constraint_of(value: ConstraintLike) -> Any:
+    """The wire constraint `submit(constraint=...)` means; a ValidationError if none."""
+    if value is None:
+        return None
+    if isinstance(value, type) and issubclass(value, BaseModel):
+        return JsonSchema(json_schema=value.model_json_schema(), strict=True)
+    return _CONSTRAINT.validate_python(value)
+
+
+class Schemas:
+    """The output schemas of requests this client submitted, kept until their result is
+    read (at most `limit`, the oldest forgotten first), so `result()` can parse."""
+
+    def __init__(self, limit: int = 10_000) -> None:
+        self.limit = limit
+        self.by_id: OrderedDict[str, Any] = OrderedDict()
+
+    def remember(self, request_id: str, wanted: ConstraintLike) -> None:
+        """Keep what `request_id`'s text should parse as, if it asked for JSON."""
+        if isinstance(wanted, type) or isinstance(constraint_of(wanted), JsonSchema | JsonObject):
+            self.by_id[request_id] = wanted
+            while len(self.by_id) > self.limit:
+                self.by_id.popitem(last=False)
+
+    def parse(self, completion: Completion) -> Completion:
+        """`completion` with `parsed` set where its request asked for JSON and it is whole."""
+        wanted = self.by_id.pop(completion.id, None)
+        if wanted is None or completion.finish_reason != "stop":
+            return completion
+        try:
+            if isinstance(wanted, type) and issubclass(wanted, BaseModel):
+                completion.parsed = wanted.model_validate_json(completion.text)
+            else:
+                completion.parsed = json.loads(completion.text)
+        except (ValueError, ValidationError):
+            pass  # left None: the text is what the pool produced, for the caller to see
+        return completion
 
 
 def admission_call(

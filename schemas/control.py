@@ -32,6 +32,7 @@ class NewRequest:
     start_seq: int = 0  # next chunk number on its result stream
     admission: int = 0  # which admission of the request this is
     tenant: str = DEFAULT_TENANT  # named on its final chunk
+    grammar: str | None = None  # its constraint compiled to an llguidance grammar
 
     def to_wire(self) -> list[Any]:
         """The msgpack array form."""
@@ -46,6 +47,7 @@ class NewRequest:
             self.start_seq,
             self.admission,
             self.tenant,
+            self.grammar,
         ]
 
     @classmethod

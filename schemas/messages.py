@@ -18,6 +18,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from schemas.constraints import Constraint
 from schemas.keys import DEFAULT_TENANT
 
 SCHEMA_VERSION = 1
@@ -27,6 +28,7 @@ MAX_METADATA_ITEMS = 32
 MAX_METADATA_CHARS = 1024
 MAX_LOGPROBS = 20
 MAX_CHAT_MESSAGES = 256
+MAX_LOGIT_BIAS = 1024
 TENANT_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"
 
 
@@ -88,8 +90,26 @@ class SamplingParams(_Wire):
     )
     ignore_eos: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    presence_penalty: float = Field(
+        default=0.0, ge=-2.0, le=2.0, description="subtracted once from each output token's logit"
+    )
+    frequency_penalty: float = Field(
+        default=0.0, ge=-2.0, le=2.0, description="subtracted per occurrence in the output"
+    )
+    repetition_penalty: float = Field(
+        default=1.0,
+        gt=0.0,
+        le=10.0,
+        description="transformers' rule over prompt and output: positive logits divided by "
+        "it, negative ones multiplied; 1 is off",
+    )
+    logit_bias: dict[Annotated[str, Field(pattern=r"^[0-9]{1,9}$")], float] = Field(
+        default_factory=dict,
+        max_length=MAX_LOGIT_BIAS,
+        description="token id (as a string, as OpenAI's JSON has it) -> added to its logit",
+    )
 
-    @field_validator("temperature", "top_p", "min_p")
+    @field_validator("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty")
     @classmethod
     def _finite(cls, value: float) -> float:
         if not math.isfinite(value):
@@ -101,6 +121,24 @@ class SamplingParams(_Wire):
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens={self.min_tokens} exceeds max_tokens={self.max_tokens}")
         return self
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_range(cls, value: dict[str, float]) -> dict[str, float]:
+        for token, bias in value.items():
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"bias {bias} for token {token} is outside [-100, 100]")
+        return value
+
+    @property
+    def penalised(self) -> bool:
+        """True when a penalty or a bias changes this request's logits."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+        )
 
     @field_validator("stop")
     @classmethod
@@ -126,6 +164,7 @@ class GenerateRequest(_Wire):
     prompt_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None
     messages: list[ChatMessage] | None = Field(default=None, max_length=MAX_CHAT_MESSAGES)
     sampling: SamplingParams = Field(default_factory=SamplingParams)
+    constraint: Constraint | None = None
     priority: int = 0
     deadline_ms: int | None = Field(default=None, ge=0)
     tenant: Annotated[str, Field(pattern=TENANT_PATTERN)] = DEFAULT_TENANT
@@ -205,3 +244,4 @@ class Completion(_Wire):
     finish_reason: FinishReason
     usage: Usage | None = None
     error: ErrorInfo | None = None
+    parsed: Any = Field(default=None, exclude=True)  # the text validated, where a schema was given

@@ -57,8 +57,10 @@ def generate_alone(
     stop_ids: set[int],
     max_model_len: int,
     slot: int = 0,
+    adjust: Callable[[torch.Tensor, list[int]], torch.Tensor] | None = None,
 ) -> ReferenceCompletion:
-    """Prefill `prompt_ids` chunk by chunk in `slot`, then decode one row at a time."""
+    """Prefill `prompt_ids` chunk by chunk in `slot`, then decode one row at a time;
+    `adjust(logits [vocab], output so far)` changes each step's logits before the choice."""
     chunk = runner.prefill_chunk
     logits = torch.empty(0)
     for start in range(0, len(prompt_ids), chunk):
@@ -67,6 +69,8 @@ def generate_alone(
     gaps: list[float] = []
     context = list(prompt_ids)
     while True:
+        if adjust is not None:
+            logits = adjust(logits[0].float(), tokens)[None]
         top2 = logits[0].topk(2).values
         gaps.append(float(top2[0] - top2[1]))
         token = int(logits[0].argmax())

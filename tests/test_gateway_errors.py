@@ -28,7 +28,20 @@ def test_bad_fields_get_a_400_naming_the_field(
         ("n", {"prompt": "hi", "n": 2}),
         ("frequency", {"prompt": "hi", "extra_body": {"frequency": 1}}),
         ("top_p", {"prompt": "hi", "top_p": 7}),
-        ("presence_penalty", {"prompt": "hi", "presence_penalty": 0.5}),
+        ("presence_penalty", {"prompt": "hi", "presence_penalty": 5}),
+        (
+            "response_format",
+            {
+                "prompt": "hi",
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "x",
+                        "schema": {"type": "object", "minProperties": "x"},
+                    },
+                },
+            },
+        ),
         ("min_tokens", {"prompt": "hi", "max_tokens": 2, "extra_body": {"min_tokens": 5}}),
         ("prompt", {"prompt": too_long}),  # no room left within max_model_len
         ("prompt", {"prompt": too_long, "stream": True}),

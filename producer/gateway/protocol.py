@@ -1,17 +1,21 @@
 """OpenAI request bodies (with vLLM's sampling extensions) and their pool request options.
 
 Every field a body may carry is declared: an unknown one is a 400 naming it, and a known
-one the pool cannot honour (`n > 1`, penalties, `logit_bias`, `echo`, ...) is a 400 too,
-never silently ignored.
+one the pool cannot honour (`echo`, `best_of`, ...) is a 400 too, never silently ignored.
+`response_format` (and vLLM's `structured_outputs`) become the request's constraint here,
+so one that cannot compile is a 400 naming it before anything is queued.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from producer.gateway.errors import ApiError
+from producer.requests import invalid_reason
+from schemas.constraints import Choice, Grammar, JsonObject, JsonSchema, Regex
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; the pool's own default is greedy
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's legacy completions default
@@ -26,6 +30,32 @@ class StreamOptions(_Strict):
 
     include_usage: bool | None = None
     continuous_usage_stats: bool | None = None
+
+
+class JsonSchemaFormat(_Strict):
+    """`response_format.json_schema`: OpenAI's named schema."""
+
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """`response_format`: text, any JSON object, or a JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs`: one of a JSON schema, a regex, a choice, a grammar."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class _Generation(_Strict):
@@ -50,6 +80,9 @@ class _Generation(_Strict):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     min_tokens: int | None = None
+    repetition_penalty: float | None = None
+    structured_outputs: StructuredOutputs | None = None
+    response_format: ResponseFormat | None = None
     # the pool's own
     priority: int | None = None
     deadline_ms: int | None = None
@@ -58,11 +91,26 @@ class _Generation(_Strict):
         """A 400 for a known field set to something the pool cannot do."""
         if self.n not in (None, 1):
             raise ApiError(400, f"field `n`: only n=1 is supported (got {self.n})", param="n")
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise ApiError(400, f"field `{name}`: not supported; leave it 0", param=name)
-        if self.logit_bias:
-            raise ApiError(400, "field `logit_bias`: not supported", param="logit_bias")
+
+    def constraint(self) -> Any:
+        """The request's constraint from `response_format` or `structured_outputs`; a 400
+        naming the field when it cannot compile."""
+        given = self.response_format is not None and self.response_format.type != "text"
+        if given and self.structured_outputs is not None:
+            raise ApiError(
+                400,
+                "field `structured_outputs`: give it or `response_format`, not both",
+                param="structured_outputs",
+            )
+        try:
+            if given:
+                return _from_response_format(self.response_format)  # type: ignore[arg-type]
+            if self.structured_outputs is not None:
+                return _from_structured_outputs(self.structured_outputs)
+        except ValidationError as exc:
+            name = "response_format" if given else "structured_outputs"
+            raise ApiError(400, f"field `{name}`: {invalid_reason(exc, {})}", param=name) from exc
+        return None
 
     def common_options(self, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
         """`Client.submit` keywords: sampling, priority, deadline and metadata."""
@@ -77,6 +125,11 @@ class _Generation(_Strict):
             "ignore_eos": self.ignore_eos,
             "stop_token_ids": self.stop_token_ids,
             "min_tokens": self.min_tokens,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "logit_bias": self.logit_bias,
+            "constraint": self.constraint(),
             "logprobs": logprobs,
             "priority": self.priority,
             "deadline_ms": self.deadline_ms,
@@ -185,3 +238,53 @@ class ChatRequest(_Generation):
         if self.metadata:
             options["metadata"] = {**self.metadata, **options.get("metadata", {})}
         return options
+
+
+def _from_response_format(form: ResponseFormat) -> Any:
+    if form.type == "json_object":
+        return JsonObject()
+    if form.json_schema is None:
+        raise ApiError(
+            400,
+            "field `response_format.json_schema`: required when type is json_schema",
+            param="response_format",
+        )
+    return JsonSchema(
+        json_schema=form.json_schema.json_schema, strict=bool(form.json_schema.strict)
+    )
+
+
+def _from_structured_outputs(given: StructuredOutputs) -> Any:
+    chosen = [
+        name
+        for name in ("json_", "regex", "choice", "grammar", "json_object")
+        if getattr(given, name) not in (None, False)
+    ]
+    if len(chosen) != 1:
+        raise ApiError(
+            400,
+            "field `structured_outputs`: give exactly one of json, regex, choice, grammar "
+            "or json_object",
+            param="structured_outputs",
+        )
+    if given.regex is not None:
+        return Regex(pattern=given.regex)
+    if given.choice is not None:
+        return Choice(choices=given.choice)
+    if given.grammar is not None:
+        return Grammar(grammar=given.grammar)
+    if given.json_object:
+        return JsonObject()
+    schema = given.json_
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as exc:
+            raise ApiError(
+                400, f"field `structured_outputs.json`: not JSON: {exc}", param="structured_outputs"
+            ) from exc
+    if not isinstance(schema, dict):
+        raise ApiError(
+            400, "field `structured_outputs.json`: not a JSON schema", param="structured_outputs"
+        )
+    return JsonSchema(json_schema=schema)
