@@ -33,12 +33,14 @@ def test_bad_fields_get_a_400_naming_the_field(
             "response_format",
             {
                 "prompt": "hi",
-                "response_format": {
-                    "type": "json_schema",
-                    "json_schema": {
-                        "name": "x",
-                        "schema": {"type": "object", "minProperties": "x"},
-                    },
+                "extra_body": {
+                    "response_format": {
+                        "type": "json_schema",
+                        "json_schema": {
+                            "name": "x",
+                            "schema": {"type": "object", "minProperties": "x"},
+                        },
+                    }
                 },
             },
         ),
