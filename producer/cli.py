@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
+from typing import Any
 
 import redis
 from pydantic import ValidationError
@@ -82,8 +84,52 @@ def submit_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--tenant", default=None, help="the tenant to queue it for (default: default)"
     )
+    shape = parser.add_mutually_exclusive_group()
+    shape.add_argument(
+        "--json-schema",
+        metavar="FILE",
+        default=None,
+        help="the text must be JSON valid against the JSON schema in FILE ('-': stdin)",
+    )
+    shape.add_argument("--json-object", action="store_true", help="the text must be a JSON object")
+    shape.add_argument("--regex", default=None, help="the text must match this regular expression")
+    shape.add_argument(
+        "--choice", action="append", default=None, help="the text must be one of these (repeat)"
+    )
+    shape.add_argument(
+        "--grammar",
+        metavar="FILE",
+        default=None,
+        help="the text must match the Lark grammar in FILE",
+    )
     add_connection_flags(parser)
     return parser
+
+
+def _constraint(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The constraint the flags ask for; ValueError for a file that cannot be read."""
+
+    def read(path: str) -> str:
+        try:
+            return sys.stdin.read() if path == "-" else Path(path).read_text()
+        except OSError as exc:
+            raise ValueError(f"cannot read {path}: {exc.strerror}") from exc
+
+    if args.json_schema is not None:
+        try:
+            schema = json.loads(read(args.json_schema))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--json-schema {args.json_schema}: not JSON: {exc}") from exc
+        return {"type": "json_schema", "json_schema": schema, "strict": True}
+    if args.json_object:
+        return {"type": "json_object"}
+    if args.regex is not None:
+        return {"type": "regex", "pattern": args.regex}
+    if args.choice:
+        return {"type": "choice", "choices": args.choice}
+    if args.grammar is not None:
+        return {"type": "grammar", "grammar": read(args.grammar)}
+    return None
 
 
 def submit_main(argv: list[str]) -> int:
@@ -97,6 +143,7 @@ def submit_main(argv: list[str]) -> int:
         system = [{"role": "system", "content": args.system}] if args.system is not None else []
         messages = system + [{"role": "user", "content": args.prompt}]
     try:
+        constraint = _constraint(args)
         client = Client(args.redis_url, args.namespace)
         request_id = client.submit(
             None if args.chat else args.prompt,
@@ -106,6 +153,7 @@ def submit_main(argv: list[str]) -> int:
             temperature=args.temperature,
             top_p=args.top_p,
             seed=args.seed,
+            constraint=constraint,
             **({"tenant": args.tenant} if args.tenant is not None else {}),
         )
     except ValidationError as exc:

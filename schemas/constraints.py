@@ -115,5 +115,7 @@ def _json_grammar(schema: str, options: str) -> str:
 
 @lru_cache(maxsize=256)
 def _grammar_error(grammar: str) -> str:
-    """llguidance's reason a grammar does not compile, or ""."""
-    return LLMatcher.validate_grammar(grammar)
+    """llguidance's reason a grammar does not compile, on one line; "" if it compiles."""
+    lines = [line.strip() for line in LLMatcher.validate_grammar(grammar).splitlines()]
+    kept = [lines[0], *(line for line in lines[1:] if line.startswith("error:"))] if lines else []
+    return " ".join(kept)

@@ -236,3 +236,23 @@ def test_presence_frequency_and_bias_are_openais_rule(
         )
         problem = first_divergence(got.token_ids, want, 1e-3)
         assert problem is None, (presence, frequency, problem)
+
+
+def test_submit_flags_constrain_the_text(
+    start_pool: StartPool, redis_url: str, tmp_path: Path
+) -> None:
+    from tests.test_cli_requests import cli
+
+    start_pool(ranks=1)
+    schema = tmp_path / "person.json"
+    schema.write_text(json.dumps(PERSON))
+    done = cli(redis_url, "submit", "someone", "--json-schema", str(schema), "--max-tokens", "150")
+    assert done.returncode == 0, done.stderr
+    assert _valid_person(json.loads(done.stdout))
+    phone = cli(redis_url, "submit", "call", "--regex", "[0-9]{3}-[0-9]{4}")
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}\n", phone.stdout), phone
+    bad = cli(redis_url, "submit", "x", "--regex", "(")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
+    assert "regex does not compile" in bad.stderr
+    missing = cli(redis_url, "submit", "x", "--json-schema", str(tmp_path / "none.json"))
+    assert missing.returncode == 1 and "cannot read" in missing.stderr
