@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -127,6 +128,7 @@ def test_plain_rq_worker_runs_a_batch_and_a_rejected_line_keeps_its_place(
         {"prompt": f"hello {i}", "max_tokens": 6, "custom_id": f"c{i}"} for i in range(5)
     ]
     lines[2] = {"prompt_token_ids": [7] * 5000, "max_tokens": 4, "custom_id": "too-long"}
+    lines[3]["constraint"] = {"type": "regex", "pattern": "[0-9]{4}"}
     out = tmp_path / "sub" / "out.jsonl"
     env = dict(os.environ, REDIS_URL=redis_url)
     text = [json.dumps(r) for r in lines]
@@ -163,8 +165,12 @@ def test_plain_rq_worker_runs_a_batch_and_a_rejected_line_keeps_its_place(
     assert records[2]["finish_reason"] == "rejected" and "max_model_len" in str(records[2]["error"])
     for record, alone in zip(records, lines):
         if record["finish_reason"] != "rejected":
-            direct = client.generate(alone["prompt"], max_tokens=6, timeout_s=60)
+            constraint = alone.get("constraint")
+            direct = client.generate(
+                alone["prompt"], max_tokens=6, constraint=constraint, timeout_s=60
+            )
             assert record["token_ids"] == direct.token_ids
+    assert re.fullmatch("[0-9]{4}", records[3]["text"]), records[3]
     assert batch_cli(env, "result", batch_id).returncode == 0
 
 
@@ -179,6 +185,9 @@ def test_submit_refuses_a_bad_file_whole_and_names_the_line(
         "max_tokens": json.dumps({"prompt": "hi", "max_tokens": 0}),
         "exactly one of": json.dumps({"max_tokens": 3}),
         "JSON object": json.dumps(["hi"]),
+        "does not compile": json.dumps(
+            {"prompt": "hi", "constraint": {"type": "regex", "pattern": "("}}
+        ),
     }
     for expected, bad in cases.items():
         path = tmp_path / "bad.jsonl"

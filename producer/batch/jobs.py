@@ -58,6 +58,7 @@ LINE_FIELDS = SAMPLING_FIELDS | {
     "deadline_ms",
     "result_ttl_s",
     "metadata",
+    "constraint",
     PASSTHROUGH,
 }
 
