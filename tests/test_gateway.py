@@ -199,3 +199,25 @@ def test_bench_http_measures_the_gateway_and_another_openai_server_with_one_clie
         "throughput_ratio",
     }
     assert "gateway adds TTFT" in done.stdout
+
+
+def test_cancel_route_ends_a_request_and_metrics_count_the_routes(
+    start_pool: StartPool, start_gateway: StartGateway, client: Client
+) -> None:
+    import httpx
+
+    start_pool(ranks=1)
+    gateway = start_gateway()
+    running = client.submit("long", max_tokens=200, ignore_eos=True)
+    answer = httpx.post(f"{gateway.url}/v1/requests/{running}/cancel", timeout=10)
+    assert answer.status_code == 202 and answer.json()["id"] == running
+    assert client.result(running, timeout_s=60).finish_reason == "cancelled"
+    bad = httpx.post(f"{gateway.url}/v1/requests/a%20b/cancel", timeout=10)
+    assert bad.status_code == 400
+    text = httpx.get(f"{gateway.url}/metrics", timeout=10).text
+    assert (
+        'npupool_gateway_requests_total{route="/v1/requests/{id}/cancel",status="202"} 1.0' in text
+    )
+    assert 'route="/v1/requests/{id}/cancel",status="400"} 1.0' in text
+    assert "npupool_gateway_in_flight 0.0" in text
+    assert running not in text  # request ids never become labels

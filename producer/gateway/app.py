@@ -14,6 +14,7 @@ from starlette.types import ASGIApp
 
 from producer.gateway.errors import ApiError
 from producer.gateway.generate import generate
+from producer.gateway.metrics import GatewayMetrics
 from producer.gateway.middleware import RequestIds
 from producer.gateway.responses import EventsResponse, GenerationResponse
 from producer.gateway.state import Gateway, GatewayConfig
@@ -88,6 +89,20 @@ async def events(request: Request) -> EventsResponse:
     return EventsResponse(sub, after_seq, gateway.config.keepalive_s)
 
 
+async def cancel(request: Request) -> JSONResponse:
+    """`POST /v1/requests/{id}/cancel`: ask the pool to stop a request, queued or running;
+    its stream ends `cancelled` (a finished request keeps its result)."""
+    gateway: Gateway = request.app.state.gateway
+    request_id = request.path_params["request_id"]
+    if not REQUEST_ID_RE.match(request_id):
+        raise ApiError(
+            400, f"request id must match [A-Za-z0-9._:-]{{1,128}} (got {request_id!r:.60})"
+        )
+    request.state.request_id = request_id
+    await gateway.client.cancel(request_id)
+    return JSONResponse({"id": request_id, "object": "request.cancel", "status": "requested"}, 202)
+
+
 async def _api_error(request: Request, exc: Exception) -> JSONResponse:
     error = exc if isinstance(exc, ApiError) else ApiError(500, str(exc))
     return JSONResponse(error.body(), error.status, headers=error.headers)
@@ -121,9 +136,10 @@ def create_app(config: GatewayConfig) -> ASGIApp:
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/requests/{request_id}/events", events),
+            Route("/v1/requests/{request_id}/cancel", cancel, methods=["POST"]),
         ],
         exception_handlers={ApiError: _api_error, HTTPException: _http_error},
         lifespan=lifespan,
     )
     app.state.gateway = gateway
-    return RequestIds(app, config.api_keys, config.key_tenants)
+    return GatewayMetrics(RequestIds(app, config.api_keys, config.key_tenants))
