@@ -25,7 +25,7 @@ def test_bad_fields_get_a_400_naming_the_field(
     api = api_for(start_gateway().url)
     too_long = [2 + i % 200 for i in range(max_model_len)]
     cases: list[tuple[str, dict[str, object]]] = [
-        ("n", {"prompt": "hi", "n": 2}),
+        ("n", {"prompt": "hi", "n": 0}),
         ("frequency", {"prompt": "hi", "extra_body": {"frequency": 1}}),
         ("top_p", {"prompt": "hi", "top_p": 7}),
         ("presence_penalty", {"prompt": "hi", "presence_penalty": 5}),

@@ -112,3 +112,49 @@ def test_logit_bias_and_penalties_reach_the_pool(
     )
     want = client.generate("hi", max_tokens=12, ignore_eos=True, repetition_penalty=1.4, **options)
     assert through.choices[0].text == want.text
+
+
+def test_n_choices_are_each_a_seeded_stream_whole_and_streamed(
+    start_pool: StartPool, start_gateway: StartGateway, client: Client
+) -> None:
+    model = start_pool(ranks=1).settings.model
+    api = api_for(start_gateway().url)
+    asked = {"model": model, "prompt": "Once", "max_tokens": 10, "n": 3, "seed": 11}
+    first = api.completions.create(temperature=1.0, **asked)  # type: ignore[call-overload]
+    again = api.completions.create(temperature=1.0, **asked)  # type: ignore[call-overload]
+    texts = [c.text for c in sorted(first.choices, key=lambda c: c.index)]
+    assert texts == [c.text for c in sorted(again.choices, key=lambda c: c.index)]
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    # choice i is the pool request with seed + i, as a lone request gives it
+    for i, text in enumerate(texts):
+        alone = client.generate("Once", max_tokens=10, temperature=1.0, seed=11 + i)
+        assert text == alone.text
+    assert len(set(texts)) > 1
+    assert first.usage is not None and first.usage.completion_tokens == 30
+    streamed = api.chat.completions.create(
+        model=model,
+        messages=ASK,
+        max_tokens=10,
+        n=3,
+        seed=11,
+        temperature=1.0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    parts: dict[int, str] = {0: "", 1: "", 2: ""}
+    finishes: dict[int, str | None] = {}
+    usage = None
+    for chunk in streamed:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            parts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    assert set(finishes) == {0, 1, 2} and usage is not None
+    whole = api.chat.completions.create(
+        model=model, messages=ASK, max_tokens=10, n=3, seed=11, temperature=1.0
+    )
+    assert [c.message.content for c in whole.choices] == [parts[0], parts[1], parts[2]]
+    with pytest.raises(openai.BadRequestError) as caught:
+        api.completions.create(model=model, prompt="x", n=17)
+    assert caught.value.param == "n"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import dataclass
@@ -78,6 +79,42 @@ def parse(kind: str, body: dict[str, Any]) -> Submission:
     return Submission(completion, prompt, token_ids, completion.options(), renames)
 
 
+def choice_request_ids(request_id: str, n: int) -> list[str]:
+    """The pool requests of `n` choices: choice 0 is the request itself, choice i is
+    `{request_id}.{i}` (each its own result stream, resumable as any other)."""
+    return [request_id] + [f"{request_id}.{i}" for i in range(1, n)]
+
+
+def choice_options(options: dict[str, Any], index: int) -> dict[str, Any]:
+    """Choice `index`'s submit options: a given seed counts up per choice, so each choice is
+    its own seeded stream and the whole answer is reproducible."""
+    if index and options.get("seed") is not None:
+        return {**options, "seed": options["seed"] + index}
+    return options
+
+
+async def _submit_choices(
+    gateway: Gateway, job: Submission, choice_ids: list[str], tenant: str
+) -> None:
+    """Submit every choice; if one is refused, those already queued are cancelled."""
+    queued: list[str] = []
+    try:
+        for index, choice_id in enumerate(choice_ids):
+            await gateway.client.submit(
+                job.prompt,
+                prompt_token_ids=job.token_ids,
+                request_id=choice_id,
+                tenant=tenant,
+                **choice_options(job.options, index),
+            )
+            queued.append(choice_id)
+    except BaseException:
+        for choice_id in queued:
+            with contextlib.suppress(Exception):
+                await gateway.client.cancel(choice_id)
+        raise
+
+
 async def generate(request: Request, kind: str) -> GenerationResponse:
     """Submit a completion or chat request; answer it whole or as a stream."""
     gateway: Gateway = request.app.state.gateway
@@ -87,14 +124,9 @@ async def generate(request: Request, kind: str) -> GenerationResponse:
     pool, max_model_len = gateway.model_for(job.body.model)
     job.options.setdefault("max_tokens", max_model_len)  # chat with no limit: the model's
     request_id = request.state.request_id
+    choice_ids = choice_request_ids(request_id, job.body.n or 1)
     try:
-        await gateway.client.submit(
-            job.prompt,
-            prompt_token_ids=job.token_ids,
-            request_id=request_id,
-            tenant=request.state.tenant,
-            **job.options,
-        )
+        await _submit_choices(gateway, job, choice_ids, request.state.tenant)
     except ValidationError as exc:
         raise from_validation(exc, job.renames) from exc
     except QueueFull as exc:
@@ -119,10 +151,15 @@ async def generate(request: Request, kind: str) -> GenerationResponse:
         token_text=await gateway.pools.token_text(pool) if wants_logprobs else token_id_text,
     )
     cancel_on_disconnect = request.headers.get(CANCEL_HEADER, "1").lower() not in NO
+
+    async def cancel_all() -> None:
+        for choice_id in choice_ids:
+            await gateway.client.cancel(choice_id)
+
     return GenerationResponse(
-        gateway.client.subscribe(request_id),
+        [gateway.client.subscribe(choice_id) for choice_id in choice_ids],
         renderer,
-        lambda: gateway.client.cancel(request_id),
+        cancel_all,
         stream=bool(job.body.stream),
         include_usage=job.body.include_usage,
         continuous_usage=job.body.continuous_usage,

@@ -19,6 +19,7 @@ from schemas.constraints import Choice, Grammar, JsonObject, JsonSchema, Regex
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; the pool's own default is greedy
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's legacy completions default
+MAX_CHOICES = 16  # `n`: each choice is a request of its own in the pool
 
 
 class _Strict(BaseModel):
@@ -89,8 +90,10 @@ class _Generation(_Strict):
 
     def check_supported(self) -> None:
         """A 400 for a known field set to something the pool cannot do."""
-        if self.n not in (None, 1):
-            raise ApiError(400, f"field `n`: only n=1 is supported (got {self.n})", param="n")
+        if self.n is not None and not 1 <= self.n <= MAX_CHOICES:
+            raise ApiError(
+                400, f"field `n`: from 1 to {MAX_CHOICES} choices (got {self.n})", param="n"
+            )
 
     def constraint(self) -> Any:
         """The request's constraint from `response_format` or `structured_outputs`; a 400

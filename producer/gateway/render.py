@@ -4,7 +4,7 @@ with logprobs in each API's own layout."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from schemas.messages import ResultChunk, Usage
@@ -18,14 +18,19 @@ def token_id_text(token_id: int) -> str:
     return f"token_id:{token_id}"
 
 
-def usage_body(usage: Usage | None) -> dict[str, int] | None:
-    """OpenAI's usage object, with the total."""
-    if usage is None:
+def usage_body(usage: Usage | None | list[Usage | None]) -> dict[str, int] | None:
+    """OpenAI's usage object, with the total; of several choices, the prompt once and
+    every choice's completion tokens."""
+    usages = usage if isinstance(usage, list) else [usage]
+    known = [u for u in usages if u is not None]
+    if not known:
         return None
+    prompt = known[0].prompt_tokens
+    completion = sum(u.completion_tokens for u in known)
     return {
-        "prompt_tokens": usage.prompt_tokens,
-        "completion_tokens": usage.completion_tokens,
-        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
     }
 
 
@@ -39,7 +44,7 @@ class Renderer:
     created: int
     wants_logprobs: bool = False
     token_text: TokenText = token_id_text
-    text_offset: int = 0
+    text_offsets: dict[int, int] = field(default_factory=dict)  # by choice
 
     @property
     def object_name(self) -> str:
@@ -50,33 +55,42 @@ class Renderer:
         name = self.object_name + (".chunk" if chunked and self.kind == "chat" else "")
         return {"id": self.request_id, "object": name, "created": self.created, "model": self.model}
 
-    def whole(self, chunks: list[ResultChunk]) -> dict[str, Any]:
-        """The non-streaming body of a finished request."""
-        final = chunks[-1]
-        text = "".join(c.text for c in chunks)
-        entries = [e for c in chunks for e in (c.logprobs or [])]
-        logprobs = self.logprobs(entries, text_so_far=0) if self.wants_logprobs else None
-        choice: dict[str, Any] = {"index": 0, "logprobs": logprobs}
-        if self.kind == "chat":
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        choice["finish_reason"] = final.finish_reason
-        return {**self._head(False), "choices": [choice], "usage": usage_body(final.usage)}
+    def whole(self, choices: list[list[ResultChunk]]) -> dict[str, Any]:
+        """The non-streaming body of a finished request: one choice per result stream."""
+        bodies = []
+        for index, chunks in enumerate(choices):
+            text = "".join(c.text for c in chunks)
+            entries = [e for c in chunks for e in (c.logprobs or [])]
+            logprobs = self.logprobs(entries, text_so_far=0) if self.wants_logprobs else None
+            choice: dict[str, Any] = {"index": index, "logprobs": logprobs}
+            if self.kind == "chat":
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            choice["finish_reason"] = chunks[-1].finish_reason
+            bodies.append(choice)
+        usage = usage_body([chunks[-1].usage for chunks in choices])
+        return {**self._head(False), "choices": bodies, "usage": usage}
 
-    def role_chunk(self) -> dict[str, Any]:
-        """A chat stream's first chunk: the assistant role, no content yet."""
+    def role_chunk(self, num_choices: int = 1) -> dict[str, Any]:
+        """A chat stream's first chunk: the assistant role of each choice, no content yet."""
         delta = {"role": "assistant", "content": ""}
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
-        return {**self._head(True), "choices": [choice]}
+        choices = [
+            {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
+            for i in range(num_choices)
+        ]
+        return {**self._head(True), "choices": choices}
 
-    def chunk(self, chunk: ResultChunk, usage: dict[str, int] | None = None) -> dict[str, Any]:
-        """One stream chunk for one result chunk."""
+    def chunk(
+        self, chunk: ResultChunk, usage: dict[str, int] | None = None, index: int = 0
+    ) -> dict[str, Any]:
+        """One stream chunk for one result chunk of choice `index`."""
         logprobs = None
+        offset = self.text_offsets.get(index, 0)
         if self.wants_logprobs:
-            logprobs = self.logprobs(chunk.logprobs or [], text_so_far=self.text_offset)
-        self.text_offset += len(chunk.text)
-        choice: dict[str, Any] = {"index": 0}
+            logprobs = self.logprobs(chunk.logprobs or [], text_so_far=offset)
+        self.text_offsets[index] = offset + len(chunk.text)
+        choice: dict[str, Any] = {"index": index}
         if self.kind == "chat":
             choice["delta"] = {"content": chunk.text} if chunk.text or not chunk.is_final else {}
         else:
@@ -88,7 +102,7 @@ class Renderer:
             body["usage"] = usage
         return body
 
-    def usage_chunk(self, usage: Usage | None) -> dict[str, Any]:
+    def usage_chunk(self, usage: Usage | None | list[Usage | None]) -> dict[str, Any]:
         """The last stream chunk with `include_usage`: no choices, the request's usage."""
         return {**self._head(True), "choices": [], "usage": usage_body(usage)}
 

@@ -96,11 +96,12 @@ class WatchedResponse:
 
 
 class GenerationResponse(WatchedResponse):
-    """A submitted request's answer, whole or streamed; cancels it if the client leaves."""
+    """A submitted request's answer, whole or streamed: one choice per result stream (`n`
+    of them); cancels them all if the client leaves."""
 
     def __init__(
         self,
-        sub: Subscription,
+        subs: list[Subscription],
         renderer: Renderer,
         cancel: Callable[[], Awaitable[None]],
         stream: bool,
@@ -111,7 +112,7 @@ class GenerationResponse(WatchedResponse):
         keepalive_s: float = 15.0,
         renames: dict[str, str] | None = None,
     ) -> None:
-        self.sub = sub
+        self.subs = subs
         self.renames = renames or {}
         self.renderer = renderer
         self.cancel = cancel
@@ -121,66 +122,93 @@ class GenerationResponse(WatchedResponse):
         self.cancel_on_disconnect = cancel_on_disconnect
         self.first_wait_s = first_wait_s
         self.keepalive_s = keepalive_s
-        self.finished = False
+        self.finals: dict[int, ResultChunk] = {}  # by choice
 
-    async def _next(self, timeout_s: float | None) -> list[ResultChunk] | None:
-        try:
-            entries = await self.sub.get(timeout_s)
-        except TimeoutError:
-            return None
-        chunks = [decode(ResultChunk, fields[FIELD.encode()]) for _, fields in entries]
-        self.finished = self.finished or any(c.is_final for c in chunks)
-        return chunks
+    @property
+    def finished(self) -> bool:
+        """True once every choice has its final chunk."""
+        return len(self.finals) == len(self.subs)
+
+    async def _next(self, timeout_s: float | None) -> list[tuple[int, ResultChunk]] | None:
+        """(choice, chunk) pairs that arrived on any unfinished choice; None if none came
+        within `timeout_s`."""
+        waiting = {
+            asyncio.ensure_future(sub.get(timeout_s)): i
+            for i, sub in enumerate(self.subs)
+            if i not in self.finals
+        }
+        done, rest = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        for task in rest:  # entries that arrive meanwhile stay in their subscription
+            task.cancel()
+        await asyncio.gather(*rest, return_exceptions=True)
+        out: list[tuple[int, ResultChunk]] = []
+        for task in sorted(done, key=waiting.__getitem__):
+            if isinstance(task.exception(), TimeoutError):
+                continue
+            index = waiting[task]
+            for _, fields in task.result():
+                chunk = decode(ResultChunk, fields[FIELD.encode()])
+                out.append((index, chunk))
+                if chunk.is_final:
+                    self.finals[index] = chunk
+        return out or None
+
+    def _first_error(self) -> ApiError | None:
+        for index in sorted(self.finals):
+            error = from_final_chunk(self.finals[index], self.renames)
+            if error is not None:
+                return error
+        return None
 
     async def respond(self, send: Send) -> None:
         if not self.stream:
-            chunks: list[ResultChunk] = []
+            choices: list[list[ResultChunk]] = [[] for _ in self.subs]
             while not self.finished:
-                chunks += await self._next(None) or []
-            error = from_final_chunk(chunks[-1], self.renames)
+                for index, chunk in await self._next(None) or []:
+                    choices[index].append(chunk)
+            error = self._first_error()
             if error is not None:
                 await send_error(send, error)
             else:
-                await send_json(send, 200, self.renderer.whole(chunks), {})
+                await send_json(send, 200, self.renderer.whole(choices), {})
             return
         first = await self._next(self.first_wait_s)
-        if first and first[-1].is_final:
-            error = from_final_chunk(first[-1], self.renames)
-            if error is not None:  # nothing sent yet: the status code can still say it
-                await send_error(send, error)
-                return
+        error = self._first_error()
+        if error is not None:  # nothing sent yet: the status code can still say it
+            await send_error(send, error)
+            return
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
         if self.renderer.kind == "chat":
-            await self._write(send, sse(self.renderer.role_chunk()))
+            await self._write(send, sse(self.renderer.role_chunk(len(self.subs))))
         batch = first
         while True:
             if batch is None:
                 await self._write(send, KEEPALIVE)
             else:
-                body = b"".join(self._events(c) for c in batch)
-                if batch[-1].is_final:
+                body = b"".join(self._events(i, c) for i, c in batch)
+                if self.finished:
+                    if self.include_usage:
+                        usages = [self.finals[i].usage for i in sorted(self.finals)]
+                        body += sse(self.renderer.usage_chunk(usages))
                     await self._write(send, body + DONE, more=False)
                     return
                 await self._write(send, body)
             batch = await self._next(self.keepalive_s)
 
-    def _events(self, chunk: ResultChunk) -> bytes:
+    def _events(self, index: int, chunk: ResultChunk) -> bytes:
         if not chunk.is_final:
-            return sse(self.renderer.chunk(chunk, self._usage_so_far(chunk)))
+            return sse(self.renderer.chunk(chunk, self._usage_so_far(chunk), index))
         error = from_final_chunk(chunk, self.renames)
         out = b""
         if error is not None:
             if chunk.text:
                 text_only = chunk.model_copy(update={"finish_reason": None})
-                out += sse(self.renderer.chunk(text_only, self._usage_so_far(chunk)))
+                out += sse(self.renderer.chunk(text_only, self._usage_so_far(chunk), index))
             return out + sse(error.body())
         usage = self._usage_so_far(chunk)
         if self.continuous_usage and chunk.usage is not None:
             usage = self.renderer.usage_chunk(chunk.usage)["usage"]
-        out += sse(self.renderer.chunk(chunk, usage))
-        if self.include_usage:
-            out += sse(self.renderer.usage_chunk(chunk.usage))
-        return out
+        return sse(self.renderer.chunk(chunk, usage, index))
 
     def _usage_so_far(self, chunk: ResultChunk) -> dict[str, int] | None:
         if not self.continuous_usage:
@@ -192,7 +220,8 @@ class GenerationResponse(WatchedResponse):
         await send({"type": "http.response.body", "body": body, "more_body": more})
 
     async def cleanup(self, client_left: bool) -> None:
-        self.sub.close()
+        for sub in self.subs:
+            sub.close()
         if not self.finished and self.cancel_on_disconnect:
             with contextlib.suppress(Exception):  # the pool may be unreachable; nothing to add
                 await self.cancel()
