@@ -135,7 +135,8 @@ def _render_chat(
             "field `messages`: the served model has no chat template; send `prompt` instead",
         )
     try:
-        text = chat.render(request.messages or [])
+        offered = request.tools if request.tool_choice != "none" else None
+        text = chat.render(request.messages or [], offered)
     except ChatTemplateError as exc:
         raise Rejected(request.id, "invalid_request", f"field `messages`: {exc}") from exc
     return tokenizer.encode(text, add_special_tokens=False).ids

@@ -176,6 +176,7 @@ def build_request(
     """A GenerateRequest from `submit` arguments; unknown keywords are a TypeError."""
     sampling = {k: options.pop(k) for k in list(options) if k in SAMPLING_FIELDS}
     allowed = {"messages", "priority", "deadline_ms", "tenant", "result_ttl_s", "metadata"}
+    allowed |= {"tools", "tool_choice", "parallel_tool_calls"}
     constraint = constraint_of(options.pop("constraint", None))
     unknown = set(options) - allowed
     if unknown:

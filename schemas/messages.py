@@ -20,6 +20,7 @@ from pydantic_core import PydanticCustomError
 
 from schemas.constraints import Constraint
 from schemas.keys import DEFAULT_TENANT
+from schemas.tools import MAX_TOOLS, NamedToolChoice, Tool, ToolCall, ToolChoice, call_constraint
 
 SCHEMA_VERSION = 1
 REQUEST_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
@@ -152,7 +153,9 @@ class ChatMessage(_Wire):
     """One turn of a chat, rendered into the prompt with the model's chat template."""
 
     role: Annotated[Text, Field(min_length=1, max_length=32)]
-    content: Text
+    content: Text = ""
+    tool_calls: list[ToolCall] | None = Field(default=None, max_length=MAX_TOOLS)  # assistant's
+    tool_call_id: Annotated[Text, Field(max_length=128)] | None = None  # a `tool` answer's
 
 
 class GenerateRequest(_Wire):
@@ -165,6 +168,9 @@ class GenerateRequest(_Wire):
     messages: list[ChatMessage] | None = Field(default=None, max_length=MAX_CHAT_MESSAGES)
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     constraint: Constraint | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
     priority: int = 0
     deadline_ms: int | None = Field(default=None, ge=0)
     tenant: Annotated[str, Field(pattern=TENANT_PATTERN)] = DEFAULT_TENANT
@@ -197,6 +203,31 @@ class GenerateRequest(_Wire):
             raise ValueError("`prompt` is empty")
         if self.messages is not None and not self.messages:
             raise ValueError("`messages` is empty")
+        return self
+
+    @model_validator(mode="after")
+    def _tool_choice(self) -> GenerateRequest:
+        """`tools` need `messages`; `tool_choice` `required` or a named function becomes
+        the constraint of a call (so it cannot be given with one of its own)."""
+        if self.tools is not None and self.messages is None:
+            raise ValueError("`tools` need `messages` (a chat request)")
+        choice = self.tool_choice
+        if choice is None or choice in ("none", "auto"):
+            return self
+        if not self.tools:
+            raise ValueError("`tool_choice` requires `tools`")
+        if isinstance(choice, NamedToolChoice):
+            names = {t.function.name for t in self.tools}
+            if choice.function.name not in names:
+                raise ValueError(
+                    f"`tool_choice` names {choice.function.name!r}, which is not in `tools`"
+                )
+        if self.constraint is not None:
+            wanted = call_constraint(self.tools, choice, self.parallel_tool_calls)
+            if self.constraint != wanted:
+                raise ValueError("give `constraint` or a `tool_choice` that calls, not both")
+            return self
+        self.constraint = call_constraint(self.tools, choice, self.parallel_tool_calls)
         return self
 
 

@@ -148,6 +148,7 @@ async def generate(request: Request, kind: str) -> GenerationResponse:
         job.body.model,
         int(time.time()),
         wants_logprobs=wants_logprobs,
+        tools=isinstance(job.body, ChatRequest) and job.body.calls_tools,
         token_text=await gateway.pools.token_text(pool) if wants_logprobs else token_id_text,
     )
     cancel_on_disconnect = request.headers.get(CANCEL_HEADER, "1").lower() not in NO

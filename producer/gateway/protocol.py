@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from producer.gateway.errors import ApiError
 from producer.requests import invalid_reason
 from schemas.constraints import Choice, Grammar, JsonObject, JsonSchema, Regex
+from schemas.tools import Tool, ToolCall, ToolChoice
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; the pool's own default is greedy
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's legacy completions default
@@ -203,10 +204,14 @@ ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
 
 
 class ChatMessageIn(_Strict):
-    """One message of a chat request."""
+    """One message of a chat request: an assistant's may carry its tool calls, a `tool`
+    message answers one by its id."""
 
     role: ChatRole
     content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         """The content as one string (text parts joined)."""
@@ -224,9 +229,37 @@ class ChatRequest(_Generation):
     max_completion_tokens: int | None = None
     metadata: dict[str, str] | None = None
 
-    def chat_messages(self) -> list[dict[str, str]]:
-        """The messages as the pool's `{role, content}` maps."""
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    def chat_messages(self) -> list[dict[str, Any]]:
+        """The messages as the pool's maps: role and content, and any tool fields."""
+        out = []
+        for m in self.messages:
+            message: dict[str, Any] = {"role": m.role, "content": m.text()}
+            if m.tool_calls:
+                message["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            out.append(message)
+        return out
+
+    @property
+    def calls_tools(self) -> bool:
+        """True when the answer may hold tool calls (tools offered, and not `none`)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def tool_options(self) -> dict[str, Any]:
+        """`Client.submit` keywords for the tools."""
+        if not self.tools:
+            if self.tool_choice not in (None, "none"):
+                raise ApiError(400, "field `tool_choice`: needs `tools`", param="tool_choice")
+            return {}
+        options: dict[str, Any] = {"tools": self.tools, "tool_choice": self.tool_choice}
+        if self.parallel_tool_calls is not None:
+            options["parallel_tool_calls"] = self.parallel_tool_calls
+        return options
 
     def options(self) -> dict[str, Any]:
         """`Client.submit` keywords (no `max_tokens` unless given: the model's length then)."""
@@ -237,7 +270,7 @@ class ChatRequest(_Generation):
             )
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens or self.max_tokens
-        options = self.common_options(max_tokens, logprobs)
+        options = self.common_options(max_tokens, logprobs) | self.tool_options()
         if self.metadata:
             options["metadata"] = {**self.metadata, **options.get("metadata", {})}
         return options

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from producer.gateway.tool_calls import CallSplitter, whole_message
 from schemas.messages import ResultChunk, Usage
 
 Kind = Literal["completion", "chat"]
@@ -45,6 +46,8 @@ class Renderer:
     wants_logprobs: bool = False
     token_text: TokenText = token_id_text
     text_offsets: dict[int, int] = field(default_factory=dict)  # by choice
+    tools: bool = False  # the answer may hold tool calls
+    splitters: dict[int, CallSplitter] = field(default_factory=dict)  # by choice
 
     @property
     def object_name(self) -> str:
@@ -63,11 +66,15 @@ class Renderer:
             entries = [e for c in chunks for e in (c.logprobs or [])]
             logprobs = self.logprobs(entries, text_so_far=0) if self.wants_logprobs else None
             choice: dict[str, Any] = {"index": index, "logprobs": logprobs}
-            if self.kind == "chat":
+            finish: str | None = chunks[-1].finish_reason
+            if self.kind == "chat" and self.tools:
+                choice["message"], called = whole_message(text, self._choice_id(index))
+                finish = "tool_calls" if called and finish == "stop" else finish
+            elif self.kind == "chat":
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = text
-            choice["finish_reason"] = chunks[-1].finish_reason
+            choice["finish_reason"] = finish
             bodies.append(choice)
         usage = usage_body([chunks[-1].usage for chunks in choices])
         return {**self._head(False), "choices": bodies, "usage": usage}
@@ -91,16 +98,36 @@ class Renderer:
             logprobs = self.logprobs(chunk.logprobs or [], text_so_far=offset)
         self.text_offsets[index] = offset + len(chunk.text)
         choice: dict[str, Any] = {"index": index}
-        if self.kind == "chat":
+        finish: str | None = chunk.finish_reason
+        if self.kind == "chat" and self.tools:
+            choice["delta"], called = self._tool_delta(chunk, index)
+            finish = "tool_calls" if called and finish == "stop" else finish
+        elif self.kind == "chat":
             choice["delta"] = {"content": chunk.text} if chunk.text or not chunk.is_final else {}
         else:
             choice["text"] = chunk.text
         choice["logprobs"] = logprobs
-        choice["finish_reason"] = chunk.finish_reason
+        choice["finish_reason"] = finish
         body = {**self._head(True), "choices": [choice]}
         if usage is not None:
             body["usage"] = usage
         return body
+
+    def _choice_id(self, index: int) -> str:
+        return self.request_id if index == 0 else f"{self.request_id}.{index}"
+
+    def _tool_delta(self, chunk: ResultChunk, index: int) -> tuple[dict[str, Any], bool]:
+        """A streamed chunk's delta when tools are offered: content, and any whole calls."""
+        splitter = self.splitters.setdefault(index, CallSplitter(self._choice_id(index)))
+        content, calls = splitter.feed(chunk.text)
+        if chunk.is_final:
+            content += splitter.finish()
+        delta: dict[str, Any] = {}
+        if content or not (chunk.is_final or calls):
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = calls
+        return delta, splitter.calls > 0
 
     def usage_chunk(self, usage: Usage | None | list[Usage | None]) -> dict[str, Any]:
         """The last stream chunk with `include_usage`: no choices, the request's usage."""
