@@ -153,9 +153,20 @@ class ChatMessage(_Wire):
     """One turn of a chat, rendered into the prompt with the model's chat template."""
 
     role: Annotated[Text, Field(min_length=1, max_length=32)]
-    content: Text = ""
+    content: Text | None = None
     tool_calls: list[ToolCall] | None = Field(default=None, max_length=MAX_TOOLS)  # assistant's
     tool_call_id: Annotated[Text, Field(max_length=128)] | None = None  # a `tool` answer's
+
+    @model_validator(mode="after")
+    def _has_content(self) -> ChatMessage:
+        if self.content is None:
+            if not self.tool_calls:
+                raise ValueError(
+                    "a message needs `content` (only an assistant's with `tool_calls` may "
+                    "leave it out)"
+                )
+            self.content = ""
+        return self
 
 
 class GenerateRequest(_Wire):

@@ -109,7 +109,7 @@ def call_constraint(tools: list[Tool], choice: ToolChoice, parallel: bool) -> Gr
         }
         for f in functions
     ]
-    schema = dict(options[0]) if len(options) == 1 else {"anyOf": options}
+    schema: dict[str, Any] = dict(options[0]) if len(options) == 1 else {"anyOf": options}
     schema["x-guidance"] = {"whitespace_flexible": False}  # no free white space to wander in
     repeat = ' ("\\n" call)*' if parallel else ""
     lark = (

@@ -56,3 +56,33 @@ def test_readme_openai_example_prints_the_pools_replies(
     chat = client.chat([{"role": "user", "content": "Hello"}], max_tokens=16, temperature=0.0)
     completion = client.generate("Hello", max_tokens=16, temperature=0.0)
     assert done.stdout == chat.text + "\n" + completion.text
+
+
+def test_readme_structured_output_examples_run_and_validate(
+    start_pool: StartPool, start_gateway: StartGateway, redis_url: str
+) -> None:
+    start_pool(ranks=1)
+    gateway = start_gateway()
+    env = dict(os.environ, OPENAI_BASE_URL=gateway.url + "/v1", OPENAI_API_KEY="none")
+    code = readme_block("python", "beta.chat.completions.parse")
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    city, call = done.stdout.splitlines()
+    assert city.startswith("name=") and " country=" in city
+    name, arguments = call.split(" ", 1)
+    assert name == "get_weather" and set(json.loads(arguments)) == {"city"}
+    code = readme_block("python", "constraint=Pet")
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env=dict(os.environ, REDIS_URL=redis_url),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    pet, answers = done.stdout.splitlines()
+    assert pet.startswith("name=") and " kind=" in pet
+    phone, choice = answers.split(" ")
+    assert re.fullmatch("[0-9]{3}-[0-9]{4}", phone) and choice in ("yes", "no")
