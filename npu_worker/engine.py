@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from npu_worker.constraints import ConstraintError, Constraints
-from npu_worker.logits import RowRules, mask
+from npu_worker.logits import RowRules
 from npu_worker.mtp import Acceptance, accept_drafts
 from npu_worker.output.records import StepRecord, TokenRow
 from npu_worker.runner import LaunchRunner
@@ -389,9 +389,9 @@ class RankEngine:
                     output = state.token_ids[state.num_prompt_tokens :] + extra
                     state.rules.apply(out[i, p], state.token_ids + extra, output)
             masks = allowed[p]
-            if masks is not None:
-                for k, i in enumerate(constrained):
-                    mask(out[i, p], masks[k])
+            if masks is not None:  # every constrained row at once, each by its own mask
+                rows = torch.tensor(constrained, dtype=torch.long, device=out.device)
+                out[rows, p] = out[rows, p].masked_fill(~masks.to(out.device), float("-inf"))
         return out
 
     def _adjust_verify(

@@ -29,7 +29,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Annotated, Any, Literal, cast
 
 import torch
 from pydantic import BaseModel, Field, ValidationError
@@ -60,14 +60,14 @@ class Person(BaseModel):
 
 
 class Inventory(BaseModel):
-    items: list[str] = Field(min_length=1, max_length=4)
-    counts: list[int] = Field(min_length=1, max_length=4)
+    items: list[Annotated[str, Field(max_length=30)]] = Field(min_length=1, max_length=4)
+    counts: list[Annotated[int, Field(ge=0, le=1000)]] = Field(min_length=1, max_length=4)
 
 
 class Verdict(BaseModel):
     label: Literal["positive", "negative", "neutral"]
-    confidence: float = Field(ge=0, le=1)
-    reasons: list[str] = Field(max_length=3)
+    confidence: int = Field(ge=0, le=100)  # percent: a float's digits have no bound
+    reasons: list[Annotated[str, Field(max_length=40)]] = Field(max_length=3)
 
 
 class Event(BaseModel):
@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--answers", type=int, default=100)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--throughput-requests", type=int, default=32)
-    parser.add_argument("--max-tokens", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=5, help="alternated throughput pairs")
+    parser.add_argument("--max-tokens", type=int, default=400)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     workdir = Path(tempfile.mkdtemp(prefix="npupool-structured-"))
@@ -192,16 +193,27 @@ def validity(client: Client, base: str, args: argparse.Namespace, model: str) ->
         for rid, want in zip(beside, alone)
     )
     counts: dict[str, int] = {}
-    for _, outcome in outcomes:
+    by_schema: dict[str, dict[str, int]] = {}
+    for name, outcome in outcomes:
         counts[outcome] = counts.get(outcome, 0) + 1
+        mine = by_schema.setdefault(name, {})
+        mine[outcome] = mine.get(outcome, 0) + 1
     return {
         "answers": len(outcomes),
         "outcomes": counts,
+        "by_schema": by_schema,
         "plain_same_tokens": f"{same}/{len(plain)}",
     }
 
 
 def throughput(client: Client, args: argparse.Namespace) -> dict[str, Any]:
+    """`--repeats` alternated pairs of runs; the median ratio and each pair's figures."""
+    pairs = [throughput_pair(client, args, seed) for seed in range(args.repeats)]
+    ratios = sorted(p["ratio"] for p in pairs)
+    return {"median_ratio": statistics.median(ratios), "pairs": pairs}
+
+
+def throughput_pair(client: Client, args: argparse.Namespace, seed0: int) -> dict[str, Any]:
     """Tokens/s constrained and plain, on the same prompts and the same token counts."""
     n = args.throughput_requests
     questions = [SCHEMAS[i % len(SCHEMAS)] for i in range(n)]
@@ -211,7 +223,7 @@ def throughput(client: Client, args: argparse.Namespace) -> dict[str, Any]:
             messages=[{"role": "user", "content": q}],
             max_tokens=args.max_tokens,
             temperature=0.7,
-            seed=i,
+            seed=seed0 * n + i,
             constraint=schema,
         )
         for i, (schema, q) in enumerate(questions)
@@ -225,7 +237,7 @@ def throughput(client: Client, args: argparse.Namespace) -> dict[str, Any]:
             messages=[{"role": "user", "content": q}],
             max_tokens=length,
             temperature=0.7,
-            seed=i,
+            seed=seed0 * n + i,
             ignore_eos=True,
         )
         for i, ((_, q), length) in enumerate(zip(questions, lengths))
