@@ -71,15 +71,22 @@ async def chat_completions(request: Request) -> GenerationResponse:
     return await generate(request, "chat")
 
 
-async def events(request: Request) -> EventsResponse:
-    """`GET /v1/requests/{id}/events`: a result stream as SSE, after `Last-Event-ID` if given."""
-    gateway: Gateway = request.app.state.gateway
-    request_id = request.path_params["request_id"]
+def _path_request_id(request: Request) -> str:
+    """The request id of a `/v1/requests/{id}/...` path (400 if it is not one); the
+    response's X-Request-Id names it."""
+    request_id: str = request.path_params["request_id"]
     if not REQUEST_ID_RE.match(request_id):
         raise ApiError(
             400, f"request id must match [A-Za-z0-9._:-]{{1,128}} (got {request_id!r:.60})"
         )
     request.state.request_id = request_id
+    return request_id
+
+
+async def events(request: Request) -> EventsResponse:
+    """`GET /v1/requests/{id}/events`: a result stream as SSE, after `Last-Event-ID` if given."""
+    gateway: Gateway = request.app.state.gateway
+    request_id = _path_request_id(request)
     last = request.headers.get("last-event-id") or request.query_params.get("last_event_id")
     try:
         after_seq = -1 if last in (None, "") else int(last)  # type: ignore[arg-type]
@@ -93,12 +100,7 @@ async def cancel(request: Request) -> JSONResponse:
     """`POST /v1/requests/{id}/cancel`: ask the pool to stop a request, queued or running;
     its stream ends `cancelled` (a finished request keeps its result)."""
     gateway: Gateway = request.app.state.gateway
-    request_id = request.path_params["request_id"]
-    if not REQUEST_ID_RE.match(request_id):
-        raise ApiError(
-            400, f"request id must match [A-Za-z0-9._:-]{{1,128}} (got {request_id!r:.60})"
-        )
-    request.state.request_id = request_id
+    request_id = _path_request_id(request)
     await gateway.client.cancel(request_id)
     return JSONResponse({"id": request_id, "object": "request.cancel", "status": "requested"}, 202)
 
