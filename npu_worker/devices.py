@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -47,16 +48,53 @@ def set_cpu_threads(threads_per_rank: int, ranks: int) -> int:
     return threads_per_rank
 
 
+# `NPUPOOL_CPU_ISA`: run the CPU paths of a smaller instruction set than the machine's, so
+# each is tested and measured anywhere. The pool's own kernels are built for it, the flags
+# every choice reads are cut to it, and oneDNN is capped to it (`ONEDNN_MAX_CPU_ISA`).
+ISA_ENV = "NPUPOOL_CPU_ISA"
+ISAS = ("native", "avx512", "avx2", "portable")
+_ONEDNN_ISA = {"avx2": "AVX2", "portable": "SSE41"}
+# flags above each forced instruction set, by prefix
+_ABOVE = {
+    "avx512": ("amx",),
+    "avx2": ("avx512", "amx", "avx10"),
+    "portable": ("avx", "fma", "f16c", "amx", "sse4", "ssse3", "bmi", "vaes", "vpclmul"),
+}
+
+
+def forced_isa() -> str:
+    """The instruction set `NPUPOOL_CPU_ISA` names (`native` when unset); a ValueError for
+    any other value, naming the ones there are."""
+    isa = os.environ.get(ISA_ENV, "native").strip().lower() or "native"
+    if isa not in ISAS:
+        raise ValueError(f"{ISA_ENV}={isa!r}: not one of {', '.join(ISAS)}")
+    return isa
+
+
+def cap_onednn() -> None:
+    """Cap oneDNN to the forced instruction set (before its first product reads the cap)."""
+    onednn = _ONEDNN_ISA.get(forced_isa())
+    if onednn is not None:
+        os.environ.setdefault("ONEDNN_MAX_CPU_ISA", onednn)
+
+
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
-    """The CPU's feature flags as the kernel reports them (empty where it does not)."""
+    """The CPU's feature flags as the kernel reports them (empty where it does not), less
+    those above `NPUPOOL_CPU_ISA`."""
     try:
         text = cpuinfo.read_text()
     except OSError:
         return frozenset()
+    above = _ABOVE.get(forced_isa(), ())
     for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.partition(":")[2].split())
+        if line.startswith(("flags", "Features")):
+            flags = line.partition(":")[2].split()
+            return frozenset(f for f in flags if not f.startswith(above))
     return frozenset()
+
+
+with contextlib.suppress(ValueError):  # said where the flags are first read, with the reason
+    cap_onednn()
 
 
 def cpu_has_native_bf16(flags: frozenset[str] | None = None) -> bool:

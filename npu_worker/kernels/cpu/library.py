@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from npu_worker.devices import cpu_flags, forced_isa
 from schemas.config import cache_dir
 
 log = logging.getLogger(__name__)
@@ -258,7 +259,9 @@ def _built(compiler: str) -> Path:
         [compiler, "--version"], capture_output=True, text=True, check=True, timeout=30
     ).stdout
     key = hashlib.sha256(
-        "\0".join([*sources, compiler, version, *FLAGS, platform.machine(), _cpu_flags()]).encode()
+        "\0".join(
+            [*sources, compiler, version, *compile_flags(), platform.machine(), _cpu_flags()]
+        ).encode()
     ).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"cpu_kernels-{key}.so"
     if target.exists():
@@ -267,7 +270,7 @@ def _built(compiler: str) -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
         result = subprocess.run(
-            [compiler, *FLAGS, *map(str, SOURCE_FILES), "-o", str(built), "-lm"],
+            [compiler, *compile_flags(), *map(str, SOURCE_FILES), "-o", str(built), "-lm"],
             capture_output=True,
             text=True,
             timeout=300,
@@ -279,17 +282,28 @@ def _built(compiler: str) -> Path:
 
 
 def has_avx512() -> bool:
-    """Whether this CPU has AVX-512 F and BW (what the kernels' `linear` needs at all)."""
-    flags = _cpu_flags().split()
+    """Whether this CPU (as `NPUPOOL_CPU_ISA` leaves it) has AVX-512 F and BW."""
+    flags = cpu_flags()
     return "avx512f" in flags and "avx512bw" in flags
 
 
+def has_kernel_linear() -> bool:
+    """Whether the kernels' `linear` runs here: AVX-512 F and BW, or AVX2 with FMA (the same
+    sums in the same order, 8 lanes at a time, so the same bits)."""
+    flags = cpu_flags()
+    return has_avx512() or {"avx2", "fma"} <= flags
+
+
+def compile_flags() -> list[str]:
+    """The compiler's flags for the instruction set the kernels are built for."""
+    isa = forced_isa()
+    if isa == "avx2":
+        return [*FLAGS, "-mno-avx512f"]
+    if isa == "portable" and platform.machine() in ("x86_64", "AMD64"):
+        return [f if f != "-march=native" else "-march=x86-64" for f in FLAGS]
+    return FLAGS
+
+
 def _cpu_flags() -> str:
-    """The CPU's feature flags (-march=native builds for exactly these)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
+    """The CPU's feature flags as the build sees them (a key of the built library)."""
+    return " ".join(sorted(cpu_flags())) or platform.processor()

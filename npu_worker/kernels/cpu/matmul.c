@@ -12,6 +12,9 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define HAVE_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAVE_AVX2 1
 #endif
 
 #define BLOCK 16   /* outputs a vector */
@@ -115,9 +118,89 @@ static void tile_rows(const float *x, int64_t x_stride, const uint16_t *w, int p
 }
 #endif
 
+#ifdef HAVE_AVX2
+/* The AVX-512 path's arithmetic 8 lanes at a time: a block's 16 outputs are two vectors, and
+   each output's sum takes input 2p, then 2p+1, by the same float32 multiply-adds, so every
+   output gets the AVX-512 path's bits. 4 rows x 2 vectors of sums fit AVX2's 16 registers. */
+#define ROWS2 4
+
+/* float32 to bfloat16 as narrow16 does, for 16 outputs in two vectors, into out */
+static inline void narrow16x2(__m256 lo, __m256 hi, uint16_t *out, int left) {
+    __m256i r[2];
+    __m256 v[2] = {lo, hi};
+    for (int h = 0; h < 2; h++) {
+        __m256i bits = _mm256_castps_si256(v[h]);
+        __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+        __m256i up = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
+        __m256i rounded = _mm256_srli_epi32(up, 16);
+        __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v[h], v[h], _CMP_UNORD_Q));
+        r[h] = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), nan);
+    }
+    /* packus works within 128-bit halves: [lo0-3, hi0-3, lo4-7, hi4-7], then reorder */
+    __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r[0], r[1]), 0xd8);
+    if (left >= BLOCK) {
+        _mm256_storeu_si256((__m256i *)out, packed);
+    } else {
+        uint16_t lanes[BLOCK];
+        _mm256_storeu_si256((__m256i *)lanes, packed);
+        memcpy(out, lanes, (size_t)left * sizeof(uint16_t));
+    }
+}
+
+static inline __attribute__((always_inline)) void tile2(const float *x, int64_t x_stride,
+                                                        const uint16_t *w, int pairs, int b,
+                                                        const float *bias, uint16_t *out,
+                                                        int64_t out_stride, int outputs,
+                                                        const int R) {
+    __m256 acc[ROWS2][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const uint16_t *block = w + (int64_t)b * pairs * BLOCK * 2;
+    const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
+    for (int p = 0; p < pairs; p++) {
+        const uint16_t *pair = block + (int64_t)p * BLOCK * 2;
+        __m256i v0 = _mm256_loadu_si256((const __m256i *)pair);
+        __m256i v1 = _mm256_loadu_si256((const __m256i *)(pair + BLOCK));
+        __m256 even0 = _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16));
+        __m256 odd0 = _mm256_castsi256_ps(_mm256_and_si256(v0, high));
+        __m256 even1 = _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16));
+        __m256 odd1 = _mm256_castsi256_ps(_mm256_and_si256(v1, high));
+        for (int r = 0; r < R; r++) {
+            __m256 x0 = _mm256_set1_ps(x[r * x_stride + 2 * p]);
+            __m256 x1 = _mm256_set1_ps(x[r * x_stride + 2 * p + 1]);
+            acc[r][0] = _mm256_fmadd_ps(x0, even0, acc[r][0]);
+            acc[r][0] = _mm256_fmadd_ps(x1, odd0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(x0, even1, acc[r][1]);
+            acc[r][1] = _mm256_fmadd_ps(x1, odd1, acc[r][1]);
+        }
+    }
+    int o = b * BLOCK, left = outputs - o;
+    float add[BLOCK] = {0};
+    if (bias)
+        for (int k = 0; k < BLOCK && k < left; k++) add[k] = bias[o + k];
+    __m256 add0 = _mm256_loadu_ps(add), add1 = _mm256_loadu_ps(add + 8);
+    for (int r = 0; r < R; r++)
+        narrow16x2(_mm256_add_ps(acc[r][0], add0), _mm256_add_ps(acc[r][1], add1),
+                   out + r * out_stride + o, left);
+}
+
+static void tile2_rows(const float *x, int64_t x_stride, const uint16_t *w, int pairs, int b,
+                       const float *bias, uint16_t *out, int64_t out_stride, int outputs,
+                       int r0, int rows) {
+    const float *xr = x + (int64_t)r0 * x_stride;
+    uint16_t *outr = out + (int64_t)r0 * out_stride;
+    switch (rows) {
+        case 1: tile2(xr, x_stride, w, pairs, b, bias, outr, out_stride, outputs, 1); break;
+        case 2: tile2(xr, x_stride, w, pairs, b, bias, outr, out_stride, outputs, 2); break;
+        case 3: tile2(xr, x_stride, w, pairs, b, bias, outr, out_stride, outputs, 3); break;
+        default: tile2(xr, x_stride, w, pairs, b, bias, outr, out_stride, outputs, 4); break;
+    }
+}
+#endif
+
 /* out [rows, outputs] = x [rows, inputs] times the packed weight (+ bias, float32), all
    bfloat16 but the bias; x's rows `x_stride` elements apart, out's `out_stride`. Returns
-   nonzero where this CPU lacks AVX-512 (F and BW) or memory ran out. */
+   nonzero where this build has neither AVX-512 (F and BW) nor AVX2 with FMA, or memory ran
+   out. */
 int linear_bf16(const uint16_t *x, int rows, int inputs, int64_t x_stride, const uint16_t *w,
                 int outputs, const float *bias, uint16_t *out, int64_t out_stride, int threads) {
 #ifdef HAVE_AVX512
@@ -141,6 +224,25 @@ int linear_bf16(const uint16_t *x, int rows, int inputs, int64_t x_stride, const
             tile_rows(wide, width, w, pairs, b0, bias, out, out_stride, outputs, r0, R, C);
         }
     }
+    free(wide);
+    return 0;
+#elif defined(HAVE_AVX2)
+    int pairs = (inputs + 1) / 2, blocks = (outputs + BLOCK - 1) / BLOCK, width = 2 * pairs;
+    float *wide = malloc((size_t)rows * width * sizeof(float));
+    if (!wide) return 2;
+    for (int r = 0; r < rows; r++) {
+        for (int i = 0; i < inputs; i++) {
+            uint32_t bits = (uint32_t)x[(int64_t)r * x_stride + i] << 16;
+            memcpy(wide + (int64_t)r * width + i, &bits, sizeof(float));
+        }
+        if (width > inputs) wide[(int64_t)r * width + inputs] = 0.0f;
+    }
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int b = 0; b < blocks; b++)
+        for (int r0 = 0; r0 < rows; r0 += ROWS2) {
+            int R = rows - r0 < ROWS2 ? rows - r0 : ROWS2;
+            tile2_rows(wide, width, w, pairs, b, bias, out, out_stride, outputs, r0, R);
+        }
     free(wide);
     return 0;
 #else

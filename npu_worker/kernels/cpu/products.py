@@ -32,7 +32,7 @@ from typing import Any, Protocol, cast
 
 import torch
 
-from npu_worker.kernels.cpu.library import CpuKernels, has_avx512
+from npu_worker.kernels.cpu.library import CpuKernels, has_kernel_linear
 
 
 class Product(Protocol):
@@ -102,11 +102,21 @@ class KernelProduct:
         return self.library.linear(x, packed, outputs, bias)
 
 
+@functools.cache
 def packing_available() -> bool:
-    """Whether this torch build has oneDNN and its linear-weight reorder."""
-    return torch.backends.mkldnn.is_available() and hasattr(
-        torch.ops.mkldnn, "_reorder_linear_weight"
-    )
+    """Whether oneDNN packs bfloat16 linear weights here: this torch build has it and its
+    reorder, and this CPU runs its bfloat16 path (it refuses one without AVX-512 BW/VL/DQ or
+    AVX-NE-CONVERT, as a forced `NPUPOOL_CPU_ISA=avx2` makes it)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        return False
+    try:
+        with torch.no_grad():
+            torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), None)
+    except RuntimeError:
+        return False
+    return True
 
 
 def choose_product(
@@ -116,7 +126,7 @@ def choose_product(
     it is None and `kernel_products_win`; else oneDNN's; None where neither is there."""
     if kernel_products is None:
         kernel_products = library is not None and kernel_products_win(library)
-    if kernel_products and library is not None:
+    if kernel_products and library is not None and has_kernel_linear():
         return KernelProduct(library)
     return OneDnnProduct() if packing_available() else None
 
@@ -159,10 +169,11 @@ PROBE_ROUNDS = 20  # alternated timings of each product at each row count (~0.1 
 
 def kernel_products_win(library: CpuKernels) -> bool:
     """Whether the kernels' `linear` beats oneDNN's packed bfloat16 product on this machine
-    (always where oneDNN is missing; never without AVX-512). Timed once per built library
-    and kept beside it: the first process to finish the probe records its answer and every
-    process, now and after restarts, reads that one, so ranks never differ in their bits."""
-    if not has_avx512():
+    (always where oneDNN cannot pack bfloat16; never where the kernels' `linear` cannot
+    run). Timed once per built library and kept beside it: the first process to finish the
+    probe records its answer and every process, now and after restarts, reads that one, so
+    ranks never differ in their bits."""
+    if not has_kernel_linear():
         return False
     if not packing_available():
         return True
