@@ -24,7 +24,7 @@ from typing import Literal
 import torch
 
 from npu_worker.kernels.cpu.layers import CpuKit
-from npu_worker.kernels.cpu.library import has_avx512, load_cpu_kernels
+from npu_worker.kernels.cpu.library import has_kernel_linear, load_cpu_kernels
 from npu_worker.runner import LaunchRunner
 from npu_worker.weights.loader import load_model
 from npu_worker.weights.presets import resolve_model_dir
@@ -47,7 +47,7 @@ def runners(model: str, batch: int, max_model_len: int) -> dict[str, LaunchRunne
     out = {}
     kernels = load_cpu_kernels()
     for dtype, kernel, packed, products in VARIANTS:
-        if products and (kernels is None or not has_avx512()):
+        if products and (kernels is None or not has_kernel_linear()):
             continue
         settings = Settings(
             model=model,
