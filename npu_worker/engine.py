@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -268,6 +268,7 @@ class RankEngine:
             try:
                 scores = self._adjust_verify(states, logits, verify.drafts, masks)
             except Exception:  # one row's rules failed: each row is adjusted alone
+                _settled(masks)  # the helper is done with the matchers first
                 scores = torch.cat(
                     [
                         self._adjust_verify_alone(states, i, logits, verify.drafts)
@@ -320,6 +321,7 @@ class RankEngine:
                     if entry is not None:
                         state.new_logprobs.append(entry)
         except Exception as exc:
+            _settled(masks)  # the helper is done with the matchers before they are used here
             if len(states) == 1:
                 self._fail(states[0], exc)
                 return
@@ -491,6 +493,12 @@ class RankEngine:
         state.finish = "error"
         state.error = f"{type(exc).__name__}: {exc}"
         self.touched[state.slot] = state
+
+
+def _settled(masks: Future[torch.Tensor] | None) -> None:
+    """Wait until a mask computation has ended, however it ended."""
+    if masks is not None:
+        wait([masks])
 
 
 def _seed_of(request_id: str) -> int:
