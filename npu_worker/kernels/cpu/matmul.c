@@ -197,6 +197,20 @@ static void tile2_rows(const float *x, int64_t x_stride, const uint16_t *w, int 
 }
 #endif
 
+#if defined(HAVE_AVX512) || defined(HAVE_AVX2)
+/* x [rows, inputs] bfloat16 into wide [rows, width] float32, padded with a zero to even */
+static void widen_rows(const uint16_t *x, int rows, int inputs, int64_t x_stride, float *wide,
+                       int width) {
+    for (int r = 0; r < rows; r++) {
+        for (int i = 0; i < inputs; i++) {
+            uint32_t bits = (uint32_t)x[(int64_t)r * x_stride + i] << 16;
+            memcpy(wide + (int64_t)r * width + i, &bits, sizeof(float));
+        }
+        if (width > inputs) wide[(int64_t)r * width + inputs] = 0.0f;
+    }
+}
+#endif
+
 /* out [rows, outputs] = x [rows, inputs] times the packed weight (+ bias, float32), all
    bfloat16 but the bias; x's rows `x_stride` elements apart, out's `out_stride`. Returns
    nonzero where this build has neither AVX-512 (F and BW) nor AVX2 with FMA, or memory ran
@@ -208,13 +222,7 @@ int linear_bf16(const uint16_t *x, int rows, int inputs, int64_t x_stride, const
     int groups = (blocks + COLUMNS - 1) / COLUMNS, width = 2 * pairs;
     float *wide = malloc((size_t)rows * width * sizeof(float)); /* x in float32, padded even */
     if (!wide) return 2;
-    for (int r = 0; r < rows; r++) {
-        for (int i = 0; i < inputs; i++) {
-            uint32_t bits = (uint32_t)x[(int64_t)r * x_stride + i] << 16;
-            memcpy(wide + (int64_t)r * width + i, &bits, sizeof(float));
-        }
-        if (width > inputs) wide[(int64_t)r * width + inputs] = 0.0f;
-    }
+    widen_rows(x, rows, inputs, x_stride, wide, width);
     /* column groups outer: each weight block comes from memory once for all the rows */
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int g = 0; g < groups; g++) {
@@ -230,13 +238,7 @@ int linear_bf16(const uint16_t *x, int rows, int inputs, int64_t x_stride, const
     int pairs = (inputs + 1) / 2, blocks = (outputs + BLOCK - 1) / BLOCK, width = 2 * pairs;
     float *wide = malloc((size_t)rows * width * sizeof(float));
     if (!wide) return 2;
-    for (int r = 0; r < rows; r++) {
-        for (int i = 0; i < inputs; i++) {
-            uint32_t bits = (uint32_t)x[(int64_t)r * x_stride + i] << 16;
-            memcpy(wide + (int64_t)r * width + i, &bits, sizeof(float));
-        }
-        if (width > inputs) wide[(int64_t)r * width + inputs] = 0.0f;
-    }
+    widen_rows(x, rows, inputs, x_stride, wide, width);
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int b = 0; b < blocks; b++)
         for (int r0 = 0; r0 < rows; r0 += ROWS2) {
