@@ -5,6 +5,9 @@
   at warm-up and replayed; inputs are copied into the graph's static buffers.
 - `npu`: torch_npu, compiled in graph mode through torchair where it is installed.
 
+A model whose launches have no one shape (routed experts, models/moe.py: `static_shapes`
+False) runs eagerly on every device.
+
 A launch is the main model (`forward`) or the MTP draft (`draft`, fed the main model's
 hidden states). Graph backends read the KV cache by slot ids (a gather), since a captured
 graph cannot take a different in-place window on every replay. What a model's layers
@@ -139,7 +142,7 @@ class NpuBackend:
     reads_in_place = False
     packs = False  # a compiled B1S128 kernel takes one request per call
 
-    def __init__(self, model: LaunchModel[Any], state: ModelState) -> None:
+    def __init__(self, model: LaunchModel[Any], state: ModelState, compiled: bool = True) -> None:
         try:
             import torch_npu  # noqa: F401
         except ImportError as exc:
@@ -150,6 +153,8 @@ class NpuBackend:
         self.name = "npu-eager"
         self.forward: Callable[..., Any] = model.forward
         self.draft_forward: Callable[..., Any] = model.draft
+        if not compiled:  # a model whose launches have no one shape runs eagerly
+            return
         try:
             import torchair
 
@@ -172,8 +177,9 @@ def make_backend(
 ) -> LaunchBackend:
     """The backend for a device: graphs on CUDA (unless disabled), torch_npu on NPU, else
     eager."""
-    if device.type == "cuda" and cuda_graphs:
+    static = getattr(model, "static_shapes", True)  # routed experts: shapes follow routing
+    if device.type == "cuda" and cuda_graphs and static:
         return CudaGraphBackend(model, state)
     if device.type == "npu":
-        return NpuBackend(model, state)
+        return NpuBackend(model, state, compiled=static)
     return EagerBackend(model, state)

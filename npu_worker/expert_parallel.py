@@ -21,6 +21,7 @@ from typing import Any, Protocol, cast
 import redis
 import torch
 import torch.distributed as dist
+from torch.distributed import AllToAllOptions
 
 from npu_worker.models.moe import ExpertGroup, LocalExperts
 from schemas.keys import Keys
@@ -46,25 +47,32 @@ class ProcessGroupExperts:
         self.group, self.rank, self.size = group, rank, size
         self.seconds = 0.0  # in collectives, since the engine last took it
 
-    def gather(self, x: torch.Tensor) -> torch.Tensor:
-        """Every rank's `x`, stacked in rank order."""
+    def gather(self, rows: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each rank's rows for this rank's experts: the counts first (every rank's for every
+        rank), then the rows, each rank sending only what is routed to the other's experts."""
         started = time.perf_counter()
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        self.group.allgather([parts], [x.contiguous()]).wait()
+        received = torch.empty_like(counts)
+        self.group.alltoall_base(received, counts.contiguous(), [], [], AllToAllOptions()).wait()
+        out = rows.new_empty((int(received.sum()), *rows.shape[1:]))
+        self._exchange(out, rows, received.sum(1).tolist(), counts.sum(1).tolist())
         self.seconds += time.perf_counter() - started
-        return torch.cat(parts)
+        return out, received
 
-    def combine(self, partial: torch.Tensor) -> torch.Tensor:
-        """Each rank's partial outputs of this rank's tokens, summed in rank order."""
+    def combine(
+        self, outputs: torch.Tensor, sent: torch.Tensor, received: torch.Tensor
+    ) -> torch.Tensor:
+        """The outputs of the rows this rank sent, back from the ranks that computed them."""
         started = time.perf_counter()
-        chunks = [p.contiguous() for p in partial.chunk(self.size)]
-        received = [torch.empty_like(p) for p in chunks]
-        self.group.alltoall(received, chunks).wait()
+        back = outputs.new_empty((int(sent.sum()), *outputs.shape[1:]))
+        self._exchange(back, outputs, sent.sum(1).tolist(), received.sum(1).tolist())
         self.seconds += time.perf_counter() - started
-        out = received[0].clone()
-        for part in received[1:]:
-            out += part
-        return out
+        return back
+
+    def _exchange(
+        self, out: torch.Tensor, rows: torch.Tensor, into: list[int], out_of: list[int]
+    ) -> None:
+        """One all-to-all of rows: `out_of[r]` of `rows` go to rank r, `into[r]` come from it."""
+        self.group.alltoall_base(out, rows.contiguous(), into, out_of, AllToAllOptions()).wait()
 
 
 def process_group(

@@ -1,6 +1,6 @@
-"""Expert parallelism's pieces (docs/architecture.md §4a): the group's gather and combine
-over real gloo groups (one thread per rank), the rendezvous through a real Redis, and the
-share of experts each rank holds."""
+"""Expert parallelism's pieces (docs/architecture.md §4a): the group's exchange of routed
+rows (gather) and of their outputs (combine) over real gloo groups (one thread per rank),
+the rendezvous through a real Redis, and the share of experts each rank holds."""
 
 from __future__ import annotations
 
@@ -57,31 +57,42 @@ def on_every_rank(groups: list, work) -> list:
     return results
 
 
-def test_gather_stacks_every_rank_and_combine_sums_each_ranks_rows_in_rank_order(
+def test_gather_sends_each_rank_only_its_rows_and_combine_brings_their_outputs_back(
     redis_client,
 ) -> None:
+    """Rank r sends r + 1 rows to each expert of rank d (two experts a rank): each rank
+    receives every source's rows for its own experts, in source order, and what it sends
+    back arrives where the rows came from."""
     groups = form_group(redis_client, 3, generation=1)
-    gathered = on_every_rank(groups, lambda r, g: g.gather(torch.full((2, 4), float(r))))
-    want = torch.cat([torch.full((2, 4), float(r)) for r in range(3)])
-    assert all(torch.equal(g, want) for g in gathered)
 
-    def partial(rank: int) -> torch.Tensor:  # rank r's partial sums for every rank's 2 tokens
-        rows = torch.arange(6, dtype=torch.float32)[:, None].expand(6, 4)
-        return rows * 10.0**rank
+    def sent(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        counts = torch.full((3, 2), rank + 1, dtype=torch.long)
+        rows = torch.arange(int(counts.sum()), dtype=torch.float32)[:, None] + 100 * rank
+        return rows.expand(-1, 4).contiguous(), counts
 
-    combined = on_every_rank(groups, lambda r, g: g.combine(partial(r)))
-    for rank, got in enumerate(combined):
-        mine = slice(2 * rank, 2 * rank + 2)
-        want = partial(0)[mine] + partial(1)[mine] + partial(2)[mine]
+    def exchange(rank: int, group) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        rows, counts = sent(rank)
+        got, received = group.gather(rows, counts)
+        back = group.combine(got * -1, counts, received)
+        return got, received, back
+
+    results = on_every_rank(groups, exchange)
+    for rank, (got, received, back) in enumerate(results):
+        assert received.tolist() == [[s + 1, s + 1] for s in range(3)]
+        want = torch.cat(
+            [sent(s)[0][2 * (s + 1) * rank : 2 * (s + 1) * (rank + 1)] for s in range(3)]
+        )
         assert torch.equal(got, want)
+        assert torch.equal(back, -sent(rank)[0])
 
 
 def test_a_group_forms_again_under_a_new_generation(redis_client) -> None:
     first = form_group(redis_client, 2, generation=1)
     again = form_group(redis_client, 2, generation=2)
     assert redis_client.hget(KEYS.rendezvous("ep"), "generation") == b"2"
-    gathered = on_every_rank(again, lambda r, g: g.gather(torch.tensor([float(r)])))
-    assert all(g.tolist() == [0.0, 1.0] for g in gathered)
+    one_each = torch.ones(2, 1, dtype=torch.long)  # one row for each rank's one expert
+    gathered = on_every_rank(again, lambda r, g: g.gather(torch.full((2, 1), float(r)), one_each))
+    assert all(rows.flatten().tolist() == [0.0, 1.0] for rows, _ in gathered)
     del first
 
 

@@ -97,6 +97,12 @@ class LayerKit(Kit, Protocol):
         """Lay out the layers this kit made once their weights are loaded and placed."""
         ...
 
+    @property
+    def rows_apart(self) -> bool:
+        """Whether its linear layers give a row the same bits whatever the number of rows
+        beside it (not only at one shape): routed experts then take any count (moe.py)."""
+        ...
+
 
 class TorchKit:
     """Plain torch layers: what every device runs unless its backend supplies others."""
@@ -125,3 +131,5 @@ class TorchKit:
 
     def prepare(self) -> None:
         """Nothing to lay out."""
+
+    rows_apart = False  # torch's products pick their kernels by the number of rows

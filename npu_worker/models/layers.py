@@ -23,11 +23,18 @@ class RMSNorm(nn.Module):
         self.float32_weight = float32_weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.float32_weight:
+            return self.unrounded(x).to(x.dtype)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.float32_weight:
-            return (self.weight.float() * h).to(x.dtype)
         return self.weight * h.to(x.dtype)
+
+    def unrounded(self, x: torch.Tensor) -> torch.Tensor:
+        """The float32 weight times the float32 normalised row: `forward` of a
+        `float32_weight` norm before its one rounding."""
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight.float() * h
 
 
 def cached_keys(

@@ -1,26 +1,55 @@
-"""Mixture of experts at fixed shapes, and the seam where experts split across ranks.
+"""Mixture of experts: each expert computes only the rows routed to it, exactly, and the seam
+where experts split across ranks (docs/architecture.md §4a).
 
-Every token of a launch goes through every expert a rank holds, weighted by its routing
-weight (zero for the experts it was not routed to, and for padding tokens), in ascending
-expert order. That costs more arithmetic than gathering each expert's tokens, but each
-token's row is computed at the launch's one shape whatever the others were routed to, so a
-request's output never depends on what shares its launch (docs/architecture.md §2).
+A router gives each token its `k` experts and their weights (`Routes`). The launch's
+(token, expert) pairs are sorted by expert; each expert runs its products over the rows of
+its pairs alone, and each token's output is the weighted sum of its pairs' outputs, added
+in float32 in ascending expert order, from zero. Padding tokens route nowhere and cost
+nothing; no routed pair is ever dropped.
 
-With expert parallelism each rank holds a contiguous share of the experts: the launch's
-tokens and routing weights of every rank are gathered (`ExpertGroup.gather`), each rank
-runs its share over all of them, and the partial sums come back to the tokens' own ranks,
-added in rank order (`ExpertGroup.combine`). Every rank runs the same launches, so the
-collectives always meet.
+A row's bits never depend on what shares its launch: an expert's products see a number of
+rows that does depend on the others, so they are called either with rows whatever their
+number, where the kit's products keep each row's sums apart from its count (`rows_apart`:
+the CPU kernels' own product), or else in tiles of `EXPERT_TILE` rows, zero-padded, at one
+shape (the premise every launch rests on: at a fixed shape a row's result depends only on
+the row). The same pairs summed in the same order give the dense form's bits wherever the
+products give a row the same bits at every count (tests/test_routed_experts.py).
+
+With expert parallelism each rank holds a contiguous share of the experts
+(`expert_share`). Each rank routes its own tokens and sends every other rank only the rows
+routed to that rank's experts: first how many for each of its experts, then the rows
+(`ExpertGroup.gather`); each rank runs its experts over what it received and sends the
+outputs back (`ExpertGroup.combine`), where they are weighted and summed as above, so a
+token's output has the bits it has on one rank holding every expert. Every rank runs the
+same launches, so the collectives always meet, with zero rows where none are routed.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import nn
 
 from npu_worker.models.kit import LayerKit
+
+EXPERT_TILE = 8  # rows per expert product where the products do not keep rows apart
+
+
+class Routes(NamedTuple):
+    """Where a launch's tokens go: each token's `k` experts in ascending order [T, k] and
+    their weights [T, k] (float32); `valid` [T] is False for padding, which goes nowhere."""
+
+    experts: torch.Tensor
+    weights: torch.Tensor
+    valid: torch.Tensor
+
+
+def routes(top: torch.Tensor, weights: torch.Tensor, valid: torch.Tensor) -> Routes:
+    """Routes of each token's chosen experts `top` [T, k] and their weights [T, k], put in
+    ascending expert order (the order the outputs are summed in)."""
+    experts, order = torch.sort(top.long(), dim=-1, stable=True)
+    return Routes(experts, weights.float().gather(1, order), valid.bool())
 
 
 class ExpertGroup(Protocol):
@@ -36,29 +65,36 @@ class ExpertGroup(Protocol):
         """Ranks in the group."""
         ...
 
-    def gather(self, x: torch.Tensor) -> torch.Tensor:
-        """Every rank's `x` [T, ...], stacked in rank order: [size * T, ...]."""
+    def gather(self, rows: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Send each rank the rows routed to its experts: `rows` [P, H] in expert order and
+        `counts` [size, share] (how many rows for each expert of each rank). Returns the
+        rows this rank received, by source rank then expert, and how many from each source
+        for each of its experts [size, share]."""
         ...
 
-    def combine(self, partial: torch.Tensor) -> torch.Tensor:
-        """Sum every rank's partial outputs [size * T, H] of this rank's T tokens, in rank
-        order: [T, H]."""
+    def combine(
+        self, outputs: torch.Tensor, sent: torch.Tensor, received: torch.Tensor
+    ) -> torch.Tensor:
+        """Send the outputs of the rows `gather` received (`received` counts) back to their
+        ranks; returns the outputs of the rows this rank sent (`sent` counts), in their order."""
         ...
 
 
 class LocalExperts:
-    """One rank holding every expert: gathering and combining are the identity."""
+    """One rank holding every expert: nothing to exchange."""
 
     rank = 0
     size = 1
 
-    def gather(self, x: torch.Tensor) -> torch.Tensor:
-        """`x` itself."""
-        return x
+    def gather(self, rows: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows themselves."""
+        return rows, counts
 
-    def combine(self, partial: torch.Tensor) -> torch.Tensor:
-        """`partial` itself."""
-        return partial
+    def combine(
+        self, outputs: torch.Tensor, sent: torch.Tensor, received: torch.Tensor
+    ) -> torch.Tensor:
+        """The outputs themselves."""
+        return outputs
 
 
 class ExpertBlock(nn.Module):
@@ -68,7 +104,11 @@ class ExpertBlock(nn.Module):
 
 
 class ExpertModel(nn.Module):
-    """A model of ExpertBlocks, whose routed experts can be split over ranks."""
+    """A model of ExpertBlocks, whose routed experts can be split over ranks. Which rows an
+    expert computes depends on the routing, so its launches have no one shape for a graph
+    to capture (backends.py runs them eagerly)."""
+
+    static_shapes = False
 
     def use_experts(self, group: ExpertGroup) -> None:
         """Split the routed experts over `group` (each rank holds its share)."""
@@ -101,17 +141,60 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.gated(x))
 
 
-def routed_output(
-    experts: nn.ModuleDict,
-    share: range,
-    x: torch.Tensor,
-    weights: torch.Tensor,
-    group: ExpertGroup,
-) -> torch.Tensor:
-    """Routed output [T, H] of tokens `x` [T, H] with dense routing weights [T, E] (zero
-    where a token does not go), through this rank's `experts` (keyed by global index)."""
-    every_x, every_w = group.gather(x), group.gather(weights)
-    out = torch.zeros(every_x.shape, dtype=torch.float32, device=x.device)
-    for e in share:
-        out += experts[str(e)](every_x).float() * every_w[:, e : e + 1]
-    return group.combine(out).to(x.dtype)
+def in_tiles(expert: nn.Module, rows: torch.Tensor, tile: int | None) -> torch.Tensor:
+    """`expert` over `rows` [N, H]: in one call (`tile` None), or in zero-padded tiles of
+    `tile` rows, each at the same shape."""
+    if tile is None:
+        return expert(rows)  # type: ignore[no-any-return]
+    count = rows.shape[0]
+    padded = rows.new_zeros(-(-count // tile) * tile, rows.shape[1])
+    padded[:count] = rows
+    return torch.cat([expert(part) for part in padded.split(tile)])[:count]
+
+
+class RoutedExperts:
+    """A rank's share of a layer's routed experts (`experts`, keyed by global index) and
+    how their products are called (`kit.rows_apart`, read once the kit has laid the
+    weights out)."""
+
+    def __init__(self, experts: nn.ModuleDict, share: range, kit: LayerKit) -> None:
+        self.experts, self.share, self.kit = experts, share, kit
+
+    def __call__(self, x: torch.Tensor, route: Routes, group: ExpertGroup) -> torch.Tensor:
+        """The routed output [T, H] of tokens `x` [T, H] (float32 sums, in `x`'s dtype)."""
+        tokens, k = route.experts.shape
+        total = len(self.share) * group.size
+        flat = route.experts.reshape(-1)
+        pairs = route.valid.repeat_interleave(k).nonzero().squeeze(1)
+        experts = flat[pairs]
+        experts, order = torch.sort(experts, stable=True)
+        pairs = pairs[order]
+        counts = torch.bincount(experts, minlength=total).view(group.size, len(self.share))
+        received_rows, received = group.gather(x[pairs // k], counts)
+        outputs = self._run(received_rows, received)
+        back = group.combine(outputs, counts, received)
+        per_pair = torch.zeros(tokens * k, x.shape[-1], dtype=torch.float32, device=x.device)
+        per_pair[pairs] = back.float() * route.weights.reshape(-1)[pairs, None]
+        per_pair = per_pair.view(tokens, k, -1)
+        out = torch.zeros(tokens, x.shape[-1], dtype=torch.float32, device=x.device)
+        for slot in range(k):
+            out += per_pair[:, slot]
+        return out.to(x.dtype)
+
+    def _run(self, rows: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
+        """This rank's experts over the rows it received ([size, share] counts: by source,
+        then expert), each expert over its rows alone; outputs in the rows' order."""
+        size, share = received.shape
+        local = torch.arange(share, device=rows.device).repeat(size)
+        which = local.repeat_interleave(received.reshape(-1))
+        which, order = torch.sort(which, stable=True)
+        tile = None if getattr(self.kit, "rows_apart", False) else EXPERT_TILE
+        outputs = torch.empty_like(rows)
+        start = 0
+        for local_index, count in enumerate(received.sum(0).tolist()):
+            if count:
+                index = order[start : start + count]
+                expert = self.experts[str(self.share.start + local_index)]
+                outputs[index] = in_tiles(expert, rows[index], tile)
+                start += count
+        return outputs

@@ -175,6 +175,12 @@ class CpuKit:
                 name += "+kernel-products"
         return name
 
+    @property
+    def rows_apart(self) -> bool:
+        """With the kernels' own product every bfloat16 weight is packed for it, whose sums
+        for a row follow one fixed order whatever the number of rows."""
+        return isinstance(self.product, KernelProduct)
+
     def linear(self, in_features: int, out_features: int, bias: bool = False) -> nn.Linear:
         """A `PackedLinear`."""
         layer = PackedLinear(in_features, out_features, bias)

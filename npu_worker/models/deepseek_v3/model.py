@@ -11,7 +11,8 @@ checkpoints built on its architecture) reading and writing a static latent KV ca
   scale; interleaved rotary channels (`rope_interleave`, the default).
 - Mixture of experts: sigmoid scores plus `e_score_correction_bias`, grouped top-k
   (`n_group`, `topk_group`), `norm_topk_prob`, `routed_scaling_factor`, shared experts, the
-  first `first_k_dense_replace` layers dense (`moe.py`: fixed shapes, expert parallelism).
+  first `first_k_dense_replace` layers dense (`moe.py`: each expert over its routed rows,
+  expert parallelism).
 - The MTP layer (`model.layers.{num_hidden_layers}` in a checkpoint): `enorm`, `hnorm`,
   `eh_proj`, one decoder block and `shared_head`, loaded as `mtp.*`.
 
@@ -40,7 +41,9 @@ from npu_worker.models.moe import (
     ExpertModel,
     GatedMLP,
     LocalExperts,
-    routed_output,
+    RoutedExperts,
+    Routes,
+    routes,
 )
 
 
@@ -120,9 +123,8 @@ class Router(nn.Module):
 
     e_score_correction_bias: torch.Tensor
 
-    def forward(self, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """Dense routing weights [T, E]: each valid token's top-k experts, zero elsewhere
-        (padding tokens route nowhere)."""
+    def forward(self, x: torch.Tensor, valid: torch.Tensor) -> Routes:
+        """Each token's top-k experts and weights (padding tokens route nowhere)."""
         c = self.config
         scores = torch.nn.functional.linear(x.float(), self.weight.float()).sigmoid()
         choice = scores + self.e_score_correction_bias.float()
@@ -136,8 +138,7 @@ class Router(nn.Module):
         weights = scores.gather(1, top)
         if c.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        weights = weights * c.routed_scaling_factor * valid[:, None]
-        return torch.zeros_like(scores).scatter_(1, top, weights)
+        return routes(top, weights * c.routed_scaling_factor, valid)
 
 
 class MoE(ExpertBlock):
@@ -149,6 +150,7 @@ class MoE(ExpertBlock):
         self.gate = Router(config)
         size, inner = config.hidden_size, config.moe_intermediate_size
         self.experts = nn.ModuleDict({str(e): GatedMLP(size, inner, kit) for e in share})
+        self.routed = RoutedExperts(self.experts, share, kit)
         self.shared_experts = (
             GatedMLP(size, inner * config.n_shared_experts, kit)
             if config.n_shared_experts
@@ -158,8 +160,8 @@ class MoE(ExpertBlock):
 
     def forward(self, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        weights = self.gate(flat, valid)
-        out = routed_output(self.experts, self.share, flat, weights, self.group).view(x.shape)
+        route = self.gate(flat, valid)
+        out = self.routed(flat, route, self.group).view(x.shape)
         return out if self.shared_experts is None else out + self.shared_experts(x)
 
 

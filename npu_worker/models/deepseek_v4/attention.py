@@ -113,7 +113,8 @@ class Compressor(nn.Module):
         pooled = (kv * gate.softmax(dim=2)).sum(dim=2)
         starts = torch.where(valid, ends + 1 - rate, 0)
         rows = torch.where(valid, (ends + 1) // rate - 1, entries.shape[1] - 1)
-        compressed = rope_pairs(self.norm(pooled.to(x.dtype)), cos[starts], sin[starts])
+        normed = self.norm.unrounded(pooled)  # float32 to the entry, rounded once as stored
+        compressed = rope_pairs(normed, cos[starts], sin[starts])
         entries[at.slot_ids[:, None].expand_as(rows), rows] = compressed.to(entries.dtype)
         ring.write(at.slot_ids, at.positions, projected, at.real)
 

@@ -8,7 +8,7 @@
 - Mixture of experts with a shared expert and SwiGLU clamped at `swiglu_limit`: hash layers
   (`hash_moe`) take each token's experts from `tid2eid[token id]`, scored layers the top-k
   of `score + bias`; weights are the chosen scores, normalised, times
-  `routed_scaling_factor` (moe.py: fixed shapes, expert parallelism).
+  `routed_scaling_factor` (moe.py: each expert over its routed rows, expert parallelism).
 """
 
 from __future__ import annotations
@@ -21,7 +21,14 @@ from npu_worker.models.deepseek_v4.attention import Attention, Launch, unit_rms
 from npu_worker.models.deepseek_v4.config import SLIDING, DeepseekV4Config
 from npu_worker.models.deepseek_v4.state import DeepseekV4State
 from npu_worker.models.kit import LayerKit
-from npu_worker.models.moe import ExpertBlock, ExpertGroup, LocalExperts, routed_output
+from npu_worker.models.moe import (
+    ExpertBlock,
+    ExpertGroup,
+    LocalExperts,
+    RoutedExperts,
+    Routes,
+    routes,
+)
 
 
 def hyper_mix(
@@ -30,9 +37,11 @@ def hyper_mix(
     base: torch.Tensor,
     scale: torch.Tensor,
     config: DeepseekV4Config,
+    dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """From streams [B, S, n, H]: `post` [B, S, n], `comb` [B, S, n, n] (Sinkhorn-balanced)
-    and the streams collapsed by `pre` into one block input [B, S, H]."""
+    """From float32 streams [B, S, n, H]: `post` [B, S, n], `comb` [B, S, n, n]
+    (Sinkhorn-balanced), both float32, and the streams collapsed by `pre` into one block
+    input [B, S, H], rounded once to `dtype`."""
     n, eps = config.hc_mult, config.hc_eps
     flat = unit_rms(streams.flatten(2).float(), config.rms_norm_eps)
     pre_w, post_w, comb_w = F.linear(flat, fn.float()).split([n, n, n * n], dim=-1)
@@ -46,17 +55,17 @@ def hyper_mix(
     for _ in range(config.hc_sinkhorn_iters - 1):
         comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
         comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    collapsed = (pre[..., None] * streams).sum(dim=2).to(streams.dtype)
+    collapsed = (pre[..., None] * streams).sum(dim=2).to(dtype)
     return post, comb, collapsed
 
 
 def hyper_add(
     streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
 ) -> torch.Tensor:
-    """The streams after a block: its output spread by `post` plus the streams mixed by `comb`."""
-    dtype = streams.dtype
-    mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
-    return post.to(dtype)[..., None] * out[:, :, None] + mixed
+    """The streams after a block: its output spread by `post` plus the streams mixed by
+    `comb`, all in float32 (DeepSeek's reference keeps the residual streams float32)."""
+    mixed = torch.matmul(comb.transpose(-1, -2), streams)
+    return post[..., None] * out.float()[:, :, None] + mixed
 
 
 class Expert(nn.Module):
@@ -76,7 +85,8 @@ class Expert(nn.Module):
 
 
 class Router(nn.Module):
-    """Dense routing weights in float32 (`ffn.gate.*`): by token id or by score."""
+    """Each token's experts and weights, in float32 (`ffn.gate.*`): by token id or by score;
+    among equal scores the lower expert wins (a stable sort, as DeepSeek's reference)."""
 
     def __init__(self, config: DeepseekV4Config, hashed: bool) -> None:
         super().__init__()
@@ -90,10 +100,7 @@ class Router(nn.Module):
 
     tid2eid: torch.Tensor
 
-    def forward(
-        self, x: torch.Tensor, token_ids: torch.Tensor, valid: torch.Tensor
-    ) -> torch.Tensor:
-        """[T, E]: each valid token's chosen experts' weights, zero elsewhere."""
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor, valid: torch.Tensor) -> Routes:
         c = self.config
         logits = F.linear(x.float(), self.weight.float())
         if c.scoring_func == "softmax":
@@ -105,11 +112,11 @@ class Router(nn.Module):
         if self.hashed:
             top = self.tid2eid[token_ids].long()
         else:
-            top = torch.topk(scores + self.bias.float(), c.num_experts_per_tok, dim=-1).indices
+            ranked = torch.sort(scores + self.bias.float(), dim=-1, descending=True, stable=True)
+            top = ranked.indices[:, : c.num_experts_per_tok]
         weights = scores.gather(1, top)
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        weights = weights * c.routed_scaling_factor * valid[:, None]
-        return torch.zeros_like(scores).scatter_add_(1, top, weights)
+        return routes(top, weights * c.routed_scaling_factor, valid)
 
 
 class MoE(ExpertBlock):
@@ -121,15 +128,19 @@ class MoE(ExpertBlock):
         self.gate = Router(config, config.hashed(layer))
         size, inner, limit = config.hidden_size, config.moe_intermediate_size, config.swiglu_limit
         self.experts = nn.ModuleDict({str(e): Expert(size, inner, limit, kit) for e in share})
+        self.routed = RoutedExperts(self.experts, share, kit)
         self.shared_experts = Expert(size, inner, limit, kit)
         self.group: ExpertGroup = LocalExperts()
 
     def forward(
-        self, x: torch.Tensor, token_ids: torch.Tensor, valid: torch.Tensor
+        self, x: torch.Tensor, scored: torch.Tensor, token_ids: torch.Tensor, valid: torch.Tensor
     ) -> torch.Tensor:
+        """Of the block input `x` [B, S, H]; the router scores `scored` (`x` before its
+        rounding, float32, as DeepSeek's reference)."""
         flat = x.reshape(-1, x.shape[-1])
-        weights = self.gate(flat, token_ids.reshape(-1), valid.reshape(-1))
-        out = routed_output(self.experts, self.share, flat, weights, self.group).view(x.shape)
+        scores_of = scored.reshape(-1, scored.shape[-1])
+        route = self.gate(scores_of, token_ids.reshape(-1), valid.reshape(-1))
+        out = self.routed(flat, route, self.group).view(x.shape)
         return out + self.shared_experts(x)
 
 
@@ -152,6 +163,11 @@ class Block(nn.Module):
         self.hc_ffn_base = nn.Parameter(torch.zeros((2 + n) * n))
         self.hc_ffn_scale = nn.Parameter(torch.ones(3))
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """What the block computes in: its linear weights' dtype (the streams stay float32)."""
+        return self.ffn.shared_experts.w2.weight.dtype
+
     def forward(
         self,
         streams: torch.Tensor,
@@ -162,14 +178,15 @@ class Block(nn.Module):
     ) -> torch.Tensor:
         c = self.config
         post, comb, collapsed = hyper_mix(
-            streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, c
+            streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, c, self.dtype
         )
         out = self.attn(self.attn_norm(collapsed), at, state, ropes[self.rope])
         streams = hyper_add(streams, out, post, comb)
         post, comb, collapsed = hyper_mix(
-            streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, c
+            streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, c, self.dtype
         )
-        out = self.ffn(self.ffn_norm(collapsed), token_ids, at.real)
+        normed = self.ffn_norm.unrounded(collapsed)  # the router scores it unrounded
+        out = self.ffn(normed.to(collapsed.dtype), normed, token_ids, at.real)
         return hyper_add(streams, out, post, comb)
 
 
@@ -179,12 +196,14 @@ def hyper_head(
     base: torch.Tensor,
     scale: torch.Tensor,
     config: DeepseekV4Config,
+    dtype: torch.dtype,
 ) -> torch.Tensor:
-    """The streams [B, S, n, H] collapsed into one hidden state [B, S, H]."""
+    """The float32 streams [B, S, n, H] collapsed into one hidden state [B, S, H], rounded
+    once to `dtype`."""
     flat = unit_rms(streams.flatten(2).float(), config.rms_norm_eps)
     mixes = F.linear(flat, fn.float())
     pre = torch.sigmoid(mixes * scale.float() + base.float()) + config.hc_eps
-    return (pre[..., None] * streams).sum(dim=2).to(streams.dtype)
+    return (pre[..., None] * streams).sum(dim=2).to(dtype)
 
 
 class HyperHead(nn.Module):
@@ -198,5 +217,5 @@ class HyperHead(nn.Module):
         self.hc_base = nn.Parameter(torch.zeros(n))
         self.hc_scale = nn.Parameter(torch.ones(1))
 
-    def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        return hyper_head(streams, self.hc_fn, self.hc_base, self.hc_scale, self.config)
+    def forward(self, streams: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return hyper_head(streams, self.hc_fn, self.hc_base, self.hc_scale, self.config, dtype)

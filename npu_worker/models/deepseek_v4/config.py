@@ -208,8 +208,6 @@ def rope_parameters(raw: dict[str, Any]) -> tuple[Rope, Rope]:
         main = {"rope_type": "default", "rope_theta": raw.get("rope_theta", 10000.0)}
         compress = {k: v for k, v in given.items() if k not in ("main", "compress")}
         compress["rope_theta"] = raw.get("compress_rope_theta", 160000.0)
-        if (compress.get("rope_type") or compress.get("type")) == "yarn":
-            compress.setdefault("attention_factor", 1.0)  # V4 leaves cos/sin unscaled
     return _rope(main, raw), _rope(compress, raw)
 
 
@@ -224,13 +222,13 @@ def _rope(params: dict[str, Any], raw: dict[str, Any]) -> Rope:
     original = yarn["original_max_position_embeddings"]
     factor = yarn.get("factor") or float(raw["max_position_embeddings"]) / original
     yarn["factor"] = factor
+    # DeepSeek's reference never scales V4's cos/sin: only a factor the config names does
     factor_of = yarn.get("attention_factor")
     if factor_of is None:
         mscale, mscale_all_dim = yarn.get("mscale"), yarn.get("mscale_all_dim")
+        factor_of = 1.0
         if mscale and mscale_all_dim:
             factor_of = _mscale(factor, mscale) / _mscale(factor, mscale_all_dim)
-        else:
-            factor_of = _mscale(factor)
     return Rope(theta, yarn, factor_of)
 
 

@@ -134,11 +134,11 @@ class DeepseekV4CausalLM(LaunchModel[DeepseekV4State], ExpertModel):
         """Run one launch; `hidden` holds the streams before `hc_head`, [B, S, n * H]."""
         at = Launch(launch, state)
         x = self.model.embed_tokens(launch.input_ids)
-        streams = x[:, :, None].expand(-1, -1, self.config.hc_mult, -1).contiguous()
+        streams = x.float()[:, :, None].expand(-1, -1, self.config.hc_mult, -1).contiguous()
         ropes = self.ropes()
         for layer in self.model.layers:
             streams = layer(streams, launch.input_ids, at, state, ropes)
-        hidden = self.model.norm(self.model.hc_head(streams))
+        hidden = self.model.norm(self.model.hc_head(streams, x.dtype))
         rows = torch.arange(hidden.shape[0], device=hidden.device)[:, None]
         logits = self.head(hidden[rows, launch.logit_index]).float()
         return LaunchOutput(logits, streams.flatten(2))
@@ -162,8 +162,10 @@ class DeepseekV4CausalLM(LaunchModel[DeepseekV4State], ExpertModel):
         batch, seq = launch.input_ids.shape
         streams = hidden.view(batch, seq, c.hc_mult, c.hidden_size)
         embedded = mtp.enorm(self.model.embed_tokens(launch.input_ids))
-        x = mtp.e_proj(embedded)[:, :, None] + mtp.h_proj(mtp.hnorm(streams))
-        x = mtp(x, launch.input_ids, Launch(launch, state), state, self.ropes())
-        out = mtp.norm(hyper_head(x, mtp.hc_head_fn, mtp.hc_head_base, mtp.hc_head_scale, c))
+        dtype = embedded.dtype
+        x = mtp.e_proj(embedded)[:, :, None] + mtp.h_proj(mtp.hnorm(streams).to(dtype))
+        x = mtp(x.float(), launch.input_ids, Launch(launch, state), state, self.ropes())
+        head = hyper_head(x, mtp.hc_head_fn, mtp.hc_head_base, mtp.hc_head_scale, c, dtype)
+        out = mtp.norm(head)
         rows = torch.arange(batch, device=out.device)[:, None]
         return self.head(out[rows, launch.logit_index]).float()

@@ -117,11 +117,13 @@ def build(
     fit: Fit | None = None,
     mlp_layers: tuple[str, ...] = MLP_LAYERS,
     release: bool = False,
+    sizes: dict[str, Any] | None = None,
 ) -> torch.nn.Module:
     """Write the checkpoint to `out` (with `release`, in DeepSeek's release layout, its
-    hash-routed layers first); returns the `transformers` model (float32)."""
+    hash-routed layers first; `sizes`: config values over the tiny or bench sizes);
+    returns the `transformers` model (float32)."""
     torch.manual_seed(seed)
-    sizes: dict[str, Any] = dict(BENCH_SIZE) if bench_size else {}
+    sizes = {**(BENCH_SIZE if bench_size else {}), **(sizes or {})}
     if release:
         mlp_layers = HASH_FIRST
     model = transformers.DeepseekV4ForCausalLM(config(windows, mlp_layers, **sizes)).eval()
