@@ -76,6 +76,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--forms", nargs="+", default=["routed", "dense"])
     args = parser.parse_args()
     torch.set_num_threads(1)
     results: dict[tuple[int, str], float] = {}
@@ -94,7 +95,7 @@ def main() -> None:
             ]
             routed: list[RoutedExperts] = [m.routed for m in moes]
             for round_ in range(args.rounds):
-                for form in ("routed", "dense"):
+                for form in args.forms:
                     for moe, own in zip(moes, routed):
                         moe.routed = own if form == "routed" else Dense(own)
                     with torch.no_grad():
@@ -105,12 +106,11 @@ def main() -> None:
     generated = args.requests * args.tokens
     print(f"{'experts':>8} {'routed tok/s':>13} {'dense tok/s':>12}")
     for experts in args.experts:
-        routed_rate = generated / results[(experts, "routed")]
-        dense_rate = generated / results[(experts, "dense")]
-        print(f"{experts:>8} {routed_rate:>13.1f} {dense_rate:>12.1f}")
+        rates = [generated / results.get((experts, f), float("nan")) for f in ("routed", "dense")]
+        print(f"{experts:>8} {rates[0]:>13.1f} {rates[1]:>12.1f}")
     if len(args.experts) > 1:
         few, many = args.experts[0], args.experts[-1]
-        for form in ("routed", "dense"):
+        for form in args.forms:
             ratio = results[(many, form)] / results[(few, form)]
             print(f"{form}: {many} experts take {ratio:.2f}x the time of {few}")
 
