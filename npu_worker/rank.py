@@ -183,7 +183,16 @@ class Worker:
                 RankField.VOCAB_SIZE: loaded.config.vocab_size,
                 RankField.DTYPE: str(loaded.dtype).split(".")[-1],
                 RankField.MODEL: str(loaded.path),
+                RankField.WEIGHT_BYTES: loaded.weight_bytes,
+                RankField.CHECKPOINT_BYTES: loaded.checkpoint_bytes,
             },
+        )
+        log.info(
+            "rank %d: weights take %.1f MiB on %s (%.1f MiB in the checkpoint)",
+            self.rank,
+            loaded.weight_bytes / 2**20,
+            device,
+            loaded.checkpoint_bytes / 2**20,
         )
         runner = LaunchRunner(loaded.model, settings.launch_shapes())
         self.redis.hset(

@@ -57,6 +57,8 @@ def pool_status(client: redis.Redis, keys: Keys, pool: str, now_ms: int) -> dict
                 "reason": _text(r, RankField.REASON) or None,
                 "planned": rank in planned,  # the batcher plans work for it
                 "requests": [i for i in _text(r, RankField.REQUESTS).split(",") if i],
+                "weight_bytes": _int(r, RankField.WEIGHT_BYTES),
+                "checkpoint_bytes": _int(r, RankField.CHECKPOINT_BYTES),
                 "progress": {
                     "what": _text(r, RankField.PROGRESS),
                     "done": _int(r, RankField.PROGRESS_DONE),

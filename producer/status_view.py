@@ -47,14 +47,14 @@ def render(
             )
         )
         table = Table()
-        for column in ("rank", "pid", "host", "device", "state"):
+        for column in ("rank", "pid", "host", "device", "state", "weights"):
             table.add_column(column)
         for rank in pool["ranks"]:
             cells = [str(rank[c]) for c in ("rank", "pid", "host", "device", "state")]
             progress = rank["progress"]
             if rank["state"] in STARTING_STATES and progress["total"]:
                 cells[-1] += f" ({progress['what']}: {progress['done']}/{progress['total']})"
-            table.add_row(*cells)
+            table.add_row(*cells, _weights(rank))
         parts.append(table)
         parts += [
             Text(f"  rank {rank['rank']} failed: {rank['reason']}", style="red")
@@ -195,3 +195,12 @@ def wait_ready_live(
                 )
             tick()
             time.sleep(0.1)
+
+
+def _weights(rank: dict[str, Any]) -> str:
+    """A rank's resident weight bytes, and their ratio to the checkpoint's (once loaded)."""
+    held, stored = rank.get("weight_bytes", 0), rank.get("checkpoint_bytes", 0)
+    if not held:
+        return ""
+    text = f"{held / 2**20:.1f} MiB"
+    return f"{text} ({held / stored:.2f}× stored)" if stored else text

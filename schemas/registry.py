@@ -60,6 +60,8 @@ class RankField:
     PROGRESS = "progress"  # what a starting rank is doing, with done / total steps
     PROGRESS_DONE = "progress_done"
     PROGRESS_TOTAL = "progress_total"
+    WEIGHT_BYTES = "weight_bytes"  # the model's weights as they sit on the device
+    CHECKPOINT_BYTES = "checkpoint_bytes"  # the same tensors as the checkpoint stores them
 
 
 class PoolField:

@@ -194,6 +194,40 @@ def test_an_expert_parallel_rank_reads_only_its_own_experts(checkpoints: dict[st
     assert count < sum(p.numel() for p in whole.model.parameters())
 
 
+def header_bytes(path: Path, keep) -> int:
+    """Bytes of the tensors `keep` accepts, from the safetensors header alone (its JSON:
+    each tensor's data offsets), read without torch."""
+    total = 0
+    for file in sorted(path.glob("*.safetensors")):
+        with file.open("rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+        for name, entry in header.items():
+            if name != "__metadata__" and keep(name):
+                start, end = entry["data_offsets"]
+                total += end - start
+    return total
+
+
+def test_a_rank_counts_the_weight_bytes_it_read_and_holds(checkpoints: dict[str, Path]) -> None:
+    """The bytes a rank read are its tensors' in the checkpoint (every expert's but the other
+    rank's, MTP's not asked for), and a float32 model holds them at 1:1 within its small
+    buffers (rotary tables), as float32 weights need no other copy."""
+    path = checkpoints["q_lora"]
+    half = load_model(path, "float32", torch.device("cpu"), MAX_MODEL_LEN, expert_rank=(1, 2))
+
+    def kept(name: str) -> bool:
+        layer = name.split(".")[2] if name.startswith("model.layers.") else ""
+        mtp_layer = layer == str(
+            json.loads((path / "config.json").read_text())["num_hidden_layers"]
+        )
+        other = any(f".experts.{e}." in name for e in range(4))
+        return not (mtp_layer or other)
+
+    assert half.checkpoint_bytes == header_bytes(path, kept)
+    assert half.checkpoint_bytes <= half.weight_bytes <= 1.1 * half.checkpoint_bytes
+
+
 @pytest.mark.parametrize(
     ("overrides", "reason"),
     [

@@ -66,6 +66,7 @@ def test_up_serves_submit_and_status_on_its_embedded_redis_then_stops_cleanly(tm
         pool = status["pools"][0]
         assert pool["pool"] == "default" and [r["rank"] for r in pool["ranks"]] == [0, 1]
         assert all(r["pid"] > 0 and r["device"] == "cpu" for r in pool["ranks"])
+        assert all(r["weight_bytes"] > 0 and r["checkpoint_bytes"] > 0 for r in pool["ranks"])
         assert pool["batcher"]["pid"] > 0 and status["queue"]["outstanding"] == 0
         for rank in pool["ranks"]:  # start-up progress ends with every warm-up launch run
             progress = rank["progress"]

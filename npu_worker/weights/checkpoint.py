@@ -43,13 +43,20 @@ def checkpoint_files(path: Path) -> list[Path]:
     return [path / name for name in names]
 
 
-def read_weights(
-    path: Path, keep: Callable[[str], bool] = lambda key: True
-) -> dict[str, torch.Tensor]:
+class Weights(dict[str, torch.Tensor]):
+    """Tensors read from a checkpoint, and the bytes each took there (`stored`, a weight's
+    block scales counted with it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stored: dict[str, int] = {}
+
+
+def read_weights(path: Path, keep: Callable[[str], bool] = lambda key: True) -> Weights:
     """Every tensor whose name `keep` accepts, FP8 weights dequantized to float32; the rest
     of each file is never read (files are memory-mapped)."""
     block = fp8_block_size(path)
-    state: dict[str, torch.Tensor] = {}
+    state = Weights()
     scales: dict[str, str] = {}  # scale tensor -> its weight
     for file in checkpoint_files(path):
         with safe_open(str(file), framework="pt") as f:
@@ -57,6 +64,8 @@ def read_weights(
                 weight = scaled_weight(key)
                 if keep(weight or key):
                     state[key] = f.get_tensor(key)
+                    bytes_ = state[key].numel() * state[key].element_size()
+                    state.stored[weight or key] = state.stored.get(weight or key, 0) + bytes_
                     if weight is not None:
                         scales[key] = weight
     for key, name in scales.items():

@@ -39,6 +39,8 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     chat_template: dict[str, str] | None = None
+    checkpoint_bytes: int = 0  # the tensors this rank read, as the checkpoint stores them
+    weight_bytes: int = 0  # what they take on the device (`resident_bytes`)
 
 
 def load_model(
@@ -92,14 +94,45 @@ def load_model(
     model = family.build(config, max_kv_len, mtp, share, kit)
     placement = family.placement(config, share, mtp)
     state = {}
-    for key, tensor in read_weights(path, placement.keep).items():
+    read = read_weights(path, placement.keep)
+    stored_bytes = 0
+    for key, tensor in read.items():
         name = placement.name(key)
         if name is not None and (mtp or not name.startswith("mtp.")):
             state[name] = tensor
+            stored_bytes += read.stored.get(key, 0)
     _load_state(model, placement.finish(state), config.tie_word_embeddings, path)
     model.place(device, dtype)
     kit.prepare()
-    return LoadedModel(path, config, model, tokenizer, dtype, device, read_chat_template(path))
+    return LoadedModel(
+        path,
+        config,
+        model,
+        tokenizer,
+        dtype,
+        device,
+        read_chat_template(path),
+        stored_bytes,
+        resident_bytes(model),
+    )
+
+
+def resident_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters and buffers, and of the copies a kit laid out for its
+    products (a layer's or a group's `packed`), each storage once."""
+    seen: dict[tuple[str, int], int] = {}
+
+    def count(tensor: Any) -> None:
+        if isinstance(tensor, torch.Tensor) and tensor.numel():
+            storage = tensor.untyped_storage()
+            seen[(str(tensor.device), storage.data_ptr())] = storage.nbytes()
+
+    for module in model.modules():
+        for tensor in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
+            count(tensor)
+        for value in vars(module).values():
+            count(getattr(value, "packed", None))
+    return sum(seen.values())
 
 
 def _load_state(
