@@ -123,14 +123,19 @@ def resident_bytes(model: torch.nn.Module) -> int:
     seen: dict[tuple[str, int], int] = {}
 
     def count(tensor: Any) -> None:
-        if isinstance(tensor, torch.Tensor) and tensor.numel():
-            storage = tensor.untyped_storage()
-            seen[(str(tensor.device), storage.data_ptr())] = storage.nbytes()
+        if not isinstance(tensor, torch.Tensor) or not tensor.numel():
+            return
+        if tensor.is_mkldnn:  # oneDNN's blocked copy: no storage to see, its elements' bytes
+            seen[("mkldnn", id(tensor))] = tensor.numel() * tensor.element_size()
+            return
+        storage = tensor.untyped_storage()
+        seen[(str(tensor.device), storage.data_ptr())] = storage.nbytes()
 
     for module in model.modules():
         for tensor in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
             count(tensor)
-        for value in vars(module).values():
+        for value in vars(module).values():  # a layer's packed copy, or a group's
+            count(value)
             count(getattr(value, "packed", None))
     return sum(seen.values())
 
