@@ -188,7 +188,7 @@ class RoutedExperts:
         local = torch.arange(share, device=rows.device).repeat(size)
         which = local.repeat_interleave(received.reshape(-1))
         which, order = torch.sort(which, stable=True)
-        tile = None if getattr(self.kit, "rows_apart", False) else EXPERT_TILE
+        tile = None if self.kit.rows_apart else EXPERT_TILE
         outputs = torch.empty_like(rows)
         start = 0
         for local_index, count in enumerate(received.sum(0).tolist()):
