@@ -32,6 +32,7 @@ from batcher.intake import (
 )
 from batcher.metrics import BatcherMetrics
 from batcher.outcomes import apply_result
+from batcher.prefix import block_keys
 from batcher.scheduler import PoolState, StepPlan, finish, stop
 from schemas.codec import DeadLetter, Rejected, request_id_of
 from schemas.config import Settings
@@ -98,6 +99,10 @@ class RequestBook:
         """A step went out: count it and the requests it admitted."""
         self.counts.steps += 1
         self.counts.admitted += len(plan.admitted)
+        if self.state.config.prefix_caching:
+            for seq in plan.admitted:
+                self.counts.prefix_cache_queries += seq.num_prompt_tokens
+                self.counts.prefix_cache_hits += seq.num_cached
         if self.metrics is not None:
             self.metrics.admitted(plan.admitted, self.tracked)
 
@@ -200,6 +205,10 @@ class RequestBook:
             tracked.seq = make_sequence(
                 tracked, order, self.settings.max_model_len, self.settings.priority_aging_s
             )
+            if self.settings.prefix_caching:
+                context = tracked.prompt_ids + tracked.resumed_ids
+                block = self.settings.block_size
+                tracked.seq.block_keys = block_keys(context, block, self.settings.model)
             reason, error = self._end_now(tracked, cancel_score is not None, now_ms)
             if reason is not None:
                 end_by_batcher(

@@ -35,6 +35,8 @@ class PoolCounts:
     recovered: int = 0
     claimed: int = 0
     preempted: int = 0
+    prefix_cache_queries: int = 0  # context tokens of admitted requests, with prefix caching on
+    prefix_cache_hits: int = 0  # of which their slots held from a cached prefix
     decode_launches: int = 0
     padding_rows: int = 0
     prefill_launches: int = 0

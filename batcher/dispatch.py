@@ -42,6 +42,8 @@ def rank_plans(
                 admission=seq.admission,
                 result_ttl_s=entry.ttl_s(settings.result_ttl_s),
                 tenant=entry.request.tenant,
+                cached_from=seq.cached_from,
+                num_cached_tokens=seq.num_cached,
                 grammar=constraint.compiled() if (constraint := entry.request.constraint) else None,
             )
         )

@@ -41,6 +41,24 @@ def tenant_load(state: PoolState) -> dict[str, dict[str, int]]:
     return load
 
 
+def kv_blocks(state: PoolState, max_model_len: int) -> dict[str, int]:
+    """The pool's cache in blocks: over its live ranks' slots (`kv_blocks_total`), those
+    its running requests' tokens fill (`kv_blocks_used`), and the distinct prefix blocks its
+    slots hold for reuse (`cached_blocks`)."""
+    block = state.config.block_size
+    per_slot = -(-max_model_len // block)
+    total = len(state.ranks) * state.config.kv_slots_per_rank * per_slot
+    used = sum(
+        -(-min(s.num_prompt_tokens + s.num_planned_tokens, max_model_len) // block)
+        for s in state.running.values()
+    )
+    return {
+        "kv_blocks_total": total,
+        "kv_blocks_used": used,
+        "cached_blocks": state.prefix.blocks_held(),
+    }
+
+
 def tenant_queue_depths(client: redis.Redis, keys: Keys) -> dict[str, int]:
     """Entries on each tenant's request streams, delivered or not (as `queue_depth` counts)."""
     owners = stream_owners(client, keys)

@@ -1,7 +1,8 @@
 """The planner's other half (docs/architecture.md §3): what a rank's step result does to the
 pool state, as pure as planning it: no I/O, no clock, no torch.
 
-`apply_result` counts each outcome's tokens, gives back the slots of the requests that
+`apply_result` counts each outcome's tokens, puts a request's prompt blocks in the prefix
+index once its first token shows they were computed, gives back the slots of the requests that
 finished, were lost or were released, and says which; the request book then writes what
 that means to Redis (settling entries, resuming requests after what they published).
 """
@@ -39,6 +40,10 @@ def apply_result(state: PoolState, result: StepResult) -> Applied:
         seq = state.running.get(outcome.request_id)
         if seq is None or seq.rank != result.rank or seq.admission != outcome.admission:
             continue
+        if outcome.num_new_tokens and seq.block_keys and not seq.registered:
+            # its first token: every chunk of its prompt ran, so its slot holds its blocks
+            seq.registered = True
+            state.prefix.register((seq.rank, seq.slot), seq.block_keys)
         if outcome.num_new_tokens:
             num_before = applied.num_new_tokens.get(seq.request_id, 0)
             applied.num_new_tokens[seq.request_id] = num_before + outcome.num_new_tokens

@@ -63,6 +63,7 @@ class RankRegistry:
         self.retired: set[str] = set()
         self.vocab_size = 0
         self.packs: dict[int, bool] = {}  # rank -> it runs packed prefill launches
+        self.prefix: dict[int, bool] = {}  # rank -> its state can copy a cached prefix
         self._mark = client.register_script(MARK_SCRIPT)
 
     def poll(self) -> RankChanges:
@@ -96,6 +97,7 @@ class RankRegistry:
                 self.incarnations[rank] = incarnation
                 self.vocab_size = int(_field(info, RankField.VOCAB_SIZE, b"0"))
                 self.packs[rank] = _field(info, RankField.PACKS, b"0") == b"1"
+                self.prefix[rank] = _field(info, RankField.PREFIX, b"0") == b"1"
                 changes.joined.append(rank)
         return changes
 

@@ -24,6 +24,7 @@ from batcher.fairness import (
     prefill_order,
     share_of,
 )
+from batcher.prefix import PrefixIndex
 from schemas.control import PREEMPTED, PrefillChunk
 from schemas.keys import DEFAULT_TENANT
 
@@ -48,6 +49,12 @@ class PlannerConfig:
     decode_stall_steps: int = 0
     # tenants' weights and caps (batcher/fairness.py); a tenant not named: weight 1, no cap
     tenants: dict[str, TenantShare] = field(default_factory=dict, hash=False)
+    # prefix caching (batcher/prefix.py): requests whose prompts start with blocks of
+    # `block_size` tokens a slot holds skip their prefill; with MTP the last cached token is
+    # computed again (its draft entry reads the token after it)
+    prefix_caching: bool = False
+    block_size: int = 128
+    mtp: bool = False
 
     def __post_init__(self) -> None:
         for name in (
@@ -58,6 +65,7 @@ class PlannerConfig:
             "prefill_chunk",
             "prefill_slots",
             "prefill_segments",
+            "block_size",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -88,6 +96,10 @@ class Sequence:
     # its rank's outcomes name it, and outcomes of an earlier one are stale
     admission: int = 0
     tenant: str = DEFAULT_TENANT  # whose request it is: tenants share the pool fairly
+    block_keys: tuple[bytes, ...] = ()  # its context's full blocks (batcher/prefix.py)
+    num_cached: int = 0  # context tokens its slot holds from a cached prefix at admission
+    cached_from: int = -1  # the slot they are copied from (its own: they are there)
+    registered: bool = False  # its blocks are in the prefix index
 
     @property
     def is_admitted(self) -> bool:
@@ -172,6 +184,7 @@ class PoolState:
     # tenants' prefill virtual times (tokens prefilled over weight) and the least of them
     prefill_served: dict[str, float] = field(default_factory=dict)
     prefill_floor: float = 0.0
+    prefix: PrefixIndex = field(default_factory=PrefixIndex)  # which slot holds which blocks
 
     def __post_init__(self) -> None:
         if not self.free_slots:
@@ -273,6 +286,7 @@ def finish(state: PoolState, request_id: str) -> Sequence | None:
         slots = state.free_slots[seq.rank]
         slots.append(seq.slot)
         slots.sort()
+        state.prefix.freed((seq.rank, seq.slot))
     return seq
 
 
@@ -288,6 +302,7 @@ def stop(state: PoolState, request_id: str, reason: str) -> Sequence | None:
 def lose_rank(state: PoolState, rank: int) -> list[Sequence]:
     """Take a rank out of planning; returns the requests it held, now out of the pool."""
     state.ranks.discard(rank)
+    state.prefix.forget_rank(rank)
     state.decode_stalls.pop(rank, None)
     state.stops = [s for s in state.stops if s.seq.rank != rank]
     lost = [s for s in state.running.values() if s.rank == rank]
@@ -300,6 +315,7 @@ def join_rank(state: PoolState, rank: int) -> None:
     """Put a (new) rank process into planning with all of its KV slots free."""
     state.ranks.add(rank)
     state.free_slots[rank] = list(range(state.config.kv_slots_per_rank))
+    state.prefix.forget_rank(rank)
 
 
 def _admit(state: PoolState) -> list[Sequence]:
@@ -320,11 +336,10 @@ def _admit(state: PoolState) -> list[Sequence]:
             break
         if held is not None and at_cap(tenants, seq.tenant, held):
             continue
-        rank = _pick_rank(state, seq.isolated)
-        if rank is None:  # an isolated request waits for a rank to empty; the queue with it
+        ranks = _ranks_for(state, seq.isolated)
+        if not ranks:  # an isolated request waits for a rank to empty; the queue with it
             break
-        seq.rank = rank
-        seq.slot = state.free_slots[rank].pop(0)
+        _place(state, seq, ranks)
         state.add_running(seq)
         admitted.append(seq)
         if held is not None:
@@ -479,20 +494,51 @@ def _victim_order(seq: Sequence) -> tuple[float, int]:
     return seq.urgency, -seq.order
 
 
-def _pick_rank(state: PoolState, isolated: bool) -> int | None:
-    """The live rank with the most free slots, ties round-robin; never a rank that runs an
-    isolated request, and for an isolated request only an empty rank (None: no such rank)."""
+def _ranks_for(state: PoolState, isolated: bool) -> list[int]:
+    """The live ranks with a free slot; never a rank that runs an isolated request, and for
+    an isolated request only an empty rank."""
     hosts = {s.rank for s in state.running.values() if s.isolated}
     full = state.config.kv_slots_per_rank
-    ranks = [
+    return [
         r
         for r in sorted(state.ranks)
         if state.free_slots[r]
         and r not in hosts
         and (not isolated or len(state.free_slots[r]) == full)
     ]
-    if not ranks:
-        return None
+
+
+def _place(state: PoolState, seq: Sequence, ranks: list[int]) -> None:
+    """Give a request a rank and a slot: the rank holding most of its prompt's leading
+    blocks, if any does (its slot, when free; else a copy of them), else the rank with the
+    most free slots, ties round-robin. Cached tokens count as prefilled (at least the
+    last is always computed; unpacked, prefill resumes on a chunk's boundary)."""
+    config, prefix = state.config, state.prefix
+    hits = prefix.longest(seq.block_keys, set(ranks)) if config.prefix_caching else {}
+    cached = 0
+    if hits:
+        hit = max(hits.values(), key=lambda h: (h.num_blocks, len(state.free_slots[h.rank])))
+        recompute = 1 if config.mtp else 0
+        cached = min(hit.num_blocks * config.block_size - recompute, seq.num_prompt_tokens - 1)
+        if not config.pack_prefill:  # a lone chunk starts on a chunk's boundary
+            cached -= cached % config.prefill_chunk
+    if cached > 0:
+        rank, free = hit.rank, state.free_slots[hit.rank]
+        source, taken = hit.slot(free)
+        slot = source if taken else prefix.spare(rank, free)
+        kept = hit.num_blocks if taken else 0
+        seq.num_cached, seq.cached_from, seq.num_prefilled = cached, source, cached
+    else:
+        rank = _pick_rank(state, ranks)
+        slot = prefix.spare(rank, state.free_slots[rank])
+        kept = 0
+    state.free_slots[rank].remove(slot)
+    prefix.keep((rank, slot), kept)
+    seq.rank, seq.slot = rank, slot
+
+
+def _pick_rank(state: PoolState, ranks: list[int]) -> int:
+    """Of `ranks`, the one with the most free slots, ties round-robin."""
     most = max(len(state.free_slots[r]) for r in ranks)
     tied = [r for r in ranks if len(state.free_slots[r]) == most]
     chosen = next((r for r in tied if r >= state.next_rank), tied[0])

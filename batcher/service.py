@@ -38,7 +38,7 @@ from batcher.durability import (
 )
 from batcher.fairness import TenantShare
 from batcher.limits import publish_limits, publish_tenants, withdraw_limits
-from batcher.metrics import BatcherMetrics, tenant_gauges, tenant_load
+from batcher.metrics import BatcherMetrics, kv_blocks, tenant_gauges, tenant_load
 from batcher.queue import Holding, QueueReader
 from batcher.ranks import RankRegistry
 from batcher.scheduler import (
@@ -61,7 +61,7 @@ from schemas.sentinel import primary_of
 from schemas.tenants import request_streams
 
 log = logging.getLogger("npu_pool.batcher")
-GAUGES = ("running", "waiting", "queue_depth")
+GAUGES = ("running", "waiting", "queue_depth", "kv_blocks_total", "kv_blocks_used", "cached_blocks")
 REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 FULL_POOL_POLL_S = 0.02
 
@@ -115,6 +115,7 @@ class Batcher:
             "running": len(self.state.running),
             "waiting": len(self.state.waiting),
             "queue_depth": self.queue_depth,
+            **kv_blocks(self.state, self.settings.max_model_len),
         }
 
     def _new_state(self) -> PoolState:
@@ -131,6 +132,8 @@ class Batcher:
             prefill_segments=s.prefill_segments,
             decode_stall_steps=s.decode_stall_steps,
             tenants=self.tenants,
+            block_size=s.block_size,
+            mtp=s.mtp,
         )
         return PoolState(config, live_ranks=set())
 
@@ -350,9 +353,13 @@ class Batcher:
         if self.settings.expert_parallel and (changes.lost or changes.joined):
             self.regroup = True
         if changes.joined:
-            packs = all(self.registry.packs.get(r, False) for r in self.state.ranks)
+            ranks = self.state.ranks
+            packs = all(self.registry.packs.get(r, False) for r in ranks)
+            prefix = all(self.registry.prefix.get(r, False) for r in ranks)
             self.state.config = replace(
-                self.state.config, pack_prefill=self.settings.pack_prefill and packs
+                self.state.config,
+                pack_prefill=self.settings.pack_prefill and packs,
+                prefix_caching=self.settings.prefix_caching and prefix,
             )
 
     def _publish_limits(self) -> None:
@@ -384,6 +391,7 @@ class Batcher:
             PoolField.RUNNING: len(self.state.running),
             PoolField.WAITING: len(self.state.waiting),
             "tenants": json.dumps(self.tenant_load, sort_keys=True),
+            **kv_blocks(self.state, self.settings.max_model_len),
             **self.book.counts.as_dict(),
         }
         self.redis.hset(self.keys.pool(self.pool), mapping=fields)  # type: ignore[arg-type]

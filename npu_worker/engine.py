@@ -121,6 +121,9 @@ class RankEngine:
         record = StepRecord(
             plan.epoch, plan.step, self.rank, plan.incarnation, plan.new_requests, plan.stops
         )
+        for new in plan.new_requests:  # a cached prefix is copied before any launch writes
+            if new.num_cached_tokens and new.cached_from not in (-1, new.slot):
+                self.runner.copy_prefix(new.cached_from, new.slot, new.num_cached_tokens)
         for new in plan.new_requests:
             self.slots[new.slot] = self._admit(new)
         for stop in plan.stops:  # the output process writes what the stop means

@@ -69,7 +69,9 @@ class PrefillLayout:
             packed_keys = self._exact_keys(slots, chunk_ends)
         else:  # graph backends: a fixed number of segments
             slots += [slots[0]] * (self.segments - len(slots))
-            ends += [0] * (self.segments - len(ends))
+        # the head always takes `segments` rows: a product's rows may get other bits at
+        # another row count, and a segment's logits must not depend on what shares it
+        ends += [0] * (self.segments - len(ends))
         return LaunchInputs(
             input_ids=self._tensor([ids + [0] * padding]),
             positions=self._tensor([positions + [self.scratch] * padding]),

@@ -200,6 +200,7 @@ class Worker:
             mapping={
                 RankField.STATE: RankState.WARMING.value,
                 RankField.PACKS: int(runner.packs),
+                RankField.PREFIX: int(runner.prefix_cacheable),
                 RankField.SHAPES: runner.shapes.encode(),
             },
         )

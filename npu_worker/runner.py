@@ -94,6 +94,15 @@ class LaunchRunner:
         self.launch_seconds: list[tuple[str, float]] = []  # (shape, time in it), per step
 
     @property
+    def prefix_cacheable(self) -> bool:
+        """True when one slot's first positions can be copied to another."""
+        return self.state.prefix_cacheable
+
+    def copy_prefix(self, source: int, target: int, num_tokens: int) -> None:
+        """Slot `target` takes `source`'s state for its first `num_tokens` positions."""
+        self.state.copy_prefix(source, target, num_tokens)
+
+    @property
     def packs(self) -> bool:
         """True when prefill launches may carry several requests' segments."""
         return self.backend.packs and self.model_packs

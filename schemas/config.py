@@ -77,6 +77,15 @@ class Settings(BaseSettings):
     prefill_segments: int = Field(
         default=8, ge=1, le=64, description="prompts in one packed prefill launch, at most"
     )
+    prefix_caching: bool = Field(
+        default=True,
+        description="a prompt that starts with full blocks a slot of its rank holds skips "
+        "their prefill (exact: a hit's tokens are a miss's); off on ranks whose model "
+        "state is more than a KV cache",
+    )
+    block_size: int = Field(
+        default=128, ge=1, le=4096, description="tokens per cache block: what prefixes share"
+    )
     decode_stall_steps: int = Field(
         default=1,
         ge=0,

@@ -33,6 +33,10 @@ class NewRequest:
     admission: int = 0  # which admission of the request this is
     tenant: str = DEFAULT_TENANT  # named on its final chunk
     grammar: str | None = None  # its constraint compiled to an llguidance grammar
+    # a cached prefix: its first `num_cached_tokens` tokens' state is in slot `cached_from`
+    # (copied from there first, unless that is its own slot); prefill starts after them
+    cached_from: int = -1
+    num_cached_tokens: int = 0
 
     def to_wire(self) -> list[Any]:
         """The msgpack array form."""
@@ -48,6 +52,8 @@ class NewRequest:
             self.admission,
             self.tenant,
             self.grammar,
+            self.cached_from,
+            self.num_cached_tokens,
         ]
 
     @classmethod

@@ -254,6 +254,7 @@ class Usage(_Wire):
 
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # of the prompt, served from the prefix cache (its last admission)
 
 
 class ResultChunk(_Wire):

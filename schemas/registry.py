@@ -56,6 +56,7 @@ class RankField:
     REQUESTS = "requests"  # ids of the requests it holds, comma-separated (for operators)
     VOCAB_SIZE = "vocab_size"
     PACKS = "packs"  # "1": it runs packed prefill launches
+    PREFIX = "prefix"  # "1": its model state can copy a cached prefix between slots
     SHAPES = "shapes"  # LaunchShapes as JSON
     PROGRESS = "progress"  # what a starting rank is doing, with done / total steps
     PROGRESS_DONE = "progress_done"
@@ -79,6 +80,9 @@ class PoolField:
     RUNNING = "running"
     WAITING = "waiting"
     PLANNED = "planned"  # the ranks its planner plans for, comma-separated
+    KV_BLOCKS_TOTAL = "kv_blocks_total"  # cache blocks over its ranks' slots
+    KV_BLOCKS_USED = "kv_blocks_used"  # of which its running requests' tokens fill
+    CACHED_BLOCKS = "cached_blocks"  # distinct prefix blocks its slots hold for reuse
 
 
 @dataclass(frozen=True, slots=True)

@@ -333,7 +333,15 @@ def test_lockstep_pads_every_rank_to_the_same_number_of_launches() -> None:
         f.name
         for f in fields(PlannerConfig)
         if f.name
-        not in ("lockstep", "preempt_margin", "pack_prefill", "decode_stall_steps", "tenants")
+        not in (
+            "lockstep",
+            "preempt_margin",
+            "pack_prefill",
+            "decode_stall_steps",
+            "tenants",
+            "prefix_caching",
+            "mtp",
+        )
     ],
 )
 @pytest.mark.parametrize("value", [0, -1])

@@ -70,6 +70,29 @@ class RotaryAttention:
         return attend(q, keys, values, visible, self.num_kv_heads)
 
 
+class CacheAttention:
+    """One layer's attention over the cache for queries and keys already rotated (MLA's
+    latent cache: values the keys' first channels): the launch's keys and values written
+    first, then masked attention over the span, scores scaled by `scale`."""
+
+    def __init__(self, num_kv_heads: int, scale: float) -> None:
+        self.num_kv_heads = num_kv_heads
+        self.scale = scale
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: KVCache,
+        layer: int,
+        launch: LaunchInputs,
+    ) -> torch.Tensor:
+        """q [B, S, H, D], k [B, S, Hkv, D], v [B, S, Hkv, Dv]; returns [B, S, H, Dv]."""
+        keys, values, visible = cached_keys(cache.k[layer], cache.v[layer], k, v, launch)
+        return attend(q, keys, values, visible, self.num_kv_heads, scale=self.scale)
+
+
 class LayerKit(Kit, Protocol):
     """The layers a backend supplies to the models it runs."""
 
@@ -91,6 +114,10 @@ class LayerKit(Kit, Protocol):
 
     def rotary_attention(self, num_kv_heads: int) -> RotaryAttention:
         """Attention over the KV cache, queries and keys rotated by `rotate_half`."""
+        ...
+
+    def cache_attention(self, num_kv_heads: int, scale: float) -> CacheAttention:
+        """Attention over the cache for queries and keys already rotated."""
         ...
 
     def prepare(self) -> None:
@@ -128,6 +155,10 @@ class TorchKit:
     def rotary_attention(self, num_kv_heads: int) -> RotaryAttention:
         """Rotation, cache writes and masked attention in torch."""
         return RotaryAttention(num_kv_heads)
+
+    def cache_attention(self, num_kv_heads: int, scale: float) -> CacheAttention:
+        """Cache writes and masked attention in torch."""
+        return CacheAttention(num_kv_heads, scale)
 
     def prepare(self) -> None:
         """Nothing to lay out."""

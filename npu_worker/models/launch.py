@@ -73,10 +73,17 @@ class ModelState(Protocol):
     num_slots: int
     max_kv_len: int
     device: torch.device
+    # whether a slot's first positions can be copied to another (prefix caching): the
+    # state is one entry per position, each a function of the tokens up to it
+    prefix_cacheable: bool
 
     @property
     def scratch_position(self) -> int:
         """The position padding rows write to."""
+        ...
+
+    def copy_prefix(self, source: int, target: int, num_tokens: int) -> None:
+        """Slot `target` takes slot `source`'s state for positions [0, num_tokens)."""
         ...
 
 
@@ -111,6 +118,19 @@ class KVCache:
         self.num_slots = num_slots
         self.max_kv_len = max_kv_len
         self.device = device
+
+    prefix_cacheable = True
+
+    def copy_prefix(self, source: int, target: int, num_tokens: int) -> None:
+        """Slot `target` takes slot `source`'s keys and values for positions
+        [0, num_tokens), every layer's (a latent cache's values are in its keys)."""
+        if source == target or num_tokens <= 0:
+            return
+        views = self.v[0].data_ptr() == self.k[0].data_ptr()
+        for k, v in zip(self.k, self.v):
+            k[target, :, :num_tokens] = k[source, :, :num_tokens]
+            if not views:
+                v[target, :, :num_tokens] = v[source, :, :num_tokens]
 
     @property
     def bytes_per_token(self) -> int:

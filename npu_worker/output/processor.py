@@ -34,6 +34,7 @@ class RequestOutput:
     slot: int
     admission: int
     num_prompt_tokens: int
+    num_cached_tokens: int  # of its prompt, held from a cached prefix at its admission
     next_index: int  # completion index of the next token
     next_seq: int  # chunk number of the next chunk
     result_ttl_s: int
@@ -100,6 +101,7 @@ class OutputProcessor:
             slot=new.slot,
             admission=new.admission,
             num_prompt_tokens=new.num_prompt_tokens,
+            num_cached_tokens=min(new.num_cached_tokens, new.num_prompt_tokens),
             next_index=new.start_index - len(resumed),
             next_seq=new.start_seq,
             result_ttl_s=new.result_ttl_s,
@@ -187,6 +189,7 @@ class OutputProcessor:
             "usage": {
                 "prompt_tokens": request.num_prompt_tokens,
                 "completion_tokens": request.next_index,
+                "cached_tokens": request.num_cached_tokens,
             }
             if final
             else None,

@@ -19,9 +19,9 @@ def token_id_text(token_id: int) -> str:
     return f"token_id:{token_id}"
 
 
-def usage_body(usage: Usage | None | list[Usage | None]) -> dict[str, int] | None:
-    """OpenAI's usage object, with the total; of several choices, the prompt once and
-    every choice's completion tokens."""
+def usage_body(usage: Usage | None | list[Usage | None]) -> dict[str, Any] | None:
+    """OpenAI's usage object, with the total and the prompt's cached tokens; of several
+    choices, the prompt once (the first choice's) and every choice's completion tokens."""
     usages = usage if isinstance(usage, list) else [usage]
     known = [u for u in usages if u is not None]
     if not known:
@@ -32,6 +32,7 @@ def usage_body(usage: Usage | None | list[Usage | None]) -> dict[str, int] | Non
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": known[0].cached_tokens},
     }
 
 
@@ -89,7 +90,7 @@ class Renderer:
         return {**self._head(True), "choices": choices}
 
     def chunk(
-        self, chunk: ResultChunk, usage: dict[str, int] | None = None, index: int = 0
+        self, chunk: ResultChunk, usage: dict[str, Any] | None = None, index: int = 0
     ) -> dict[str, Any]:
         """One stream chunk for one result chunk of choice `index`."""
         logprobs = None

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from npu_worker.kernels.cpu.library import CpuKernels
-from npu_worker.models.kit import RotaryAttention
+from npu_worker.models.kit import CacheAttention, RotaryAttention
 from npu_worker.models.launch import KVCache, LaunchInputs
 from npu_worker.models.layers import rotate_half, write_cache
 
@@ -75,6 +75,42 @@ class KernelAttention(RotaryAttention):
         return kernel_attention(library, q, k_cache, v_cache, launch)
 
 
+class KernelCacheAttention(CacheAttention):
+    """`CacheAttention` through the CPU kernels: the launch's keys (and values, unless they
+    are the keys' first channels) written in torch, then the kernel's attention, each query
+    reading its own keys, so a token's output does not depend on what shares its launch."""
+
+    def __init__(self, num_kv_heads: int, scale: float, library: CpuKernels) -> None:
+        super().__init__(num_kv_heads, scale)
+        self.library = library
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: KVCache,
+        layer: int,
+        launch: LaunchInputs,
+    ) -> torch.Tensor:
+        """As `CacheAttention`."""
+        k_cache, v_cache = cache.k[layer], cache.v[layer]
+        if not (self.library.supports(k_cache) and self.library.supports(v_cache)):
+            return super().__call__(q, k, v, cache, layer, launch)
+        values_in_keys = v_cache.data_ptr() == k_cache.data_ptr()
+        if launch.packed:
+            slots, positions = launch.token_rows()
+            k_cache[slots, :, positions] = k[0].to(k_cache.dtype)
+            if not values_in_keys:
+                v_cache[slots, :, positions] = v[0].to(v_cache.dtype)
+        else:
+            rows = launch.slot_ids[:, None]
+            k_cache[rows, :, launch.positions] = k.to(k_cache.dtype)
+            if not values_in_keys:
+                v_cache[rows, :, launch.positions] = v.to(v_cache.dtype)
+        return kernel_attention(self.library, q, k_cache, v_cache, launch, self.scale)
+
+
 def token_major(x: torch.Tensor) -> bool:
     """Whether x [B, S, H, D] is one run of heads and channels per token, tokens a fixed
     stride apart (contiguous, or a slice of one fused projection's output)."""
@@ -93,10 +129,12 @@ def kernel_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     launch: LaunchInputs,
+    scale: float | None = None,
 ) -> torch.Tensor:
-    """The kernel's attention of q [B, S, H, D] over a cache that holds the launch's K/V."""
+    """The kernel's attention of q [B, S, H, D] over a cache that holds the launch's K/V,
+    scores scaled by `scale` (default D^-0.5)."""
     batch, seq, heads, head_dim = q.shape
-    scale = head_dim**-0.5
+    scale = head_dim**-0.5 if scale is None else scale
     if not launch.packed and seq <= DECODE_KERNEL_MAX_SEQ:  # a row's queries share its keys
         return library(q, k_cache, v_cache, launch.slot_ids, launch.positions, launch.span, scale)
     # prefill: each token a row of its own, so it sees exactly its own prefix

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from npu_worker.kernels.cpu.attention import KernelAttention
+from npu_worker.kernels.cpu.attention import KernelAttention, KernelCacheAttention
 from npu_worker.kernels.cpu.library import CpuKernels
 from npu_worker.kernels.cpu.products import (
     KernelProduct,
@@ -22,7 +22,7 @@ from npu_worker.kernels.cpu.products import (
     choose_product,
     gated_fusion_safe,
 )
-from npu_worker.models.kit import Gated, Projections, RotaryAttention
+from npu_worker.models.kit import CacheAttention, Gated, Projections, RotaryAttention
 from npu_worker.models.layers import RMSNorm
 
 
@@ -210,6 +210,12 @@ class CpuKit:
         if self.library is None:
             return RotaryAttention(num_kv_heads)
         return KernelAttention(num_kv_heads, self.library)
+
+    def cache_attention(self, num_kv_heads: int, scale: float) -> CacheAttention:
+        """Through the kernels where built."""
+        if self.library is None:
+            return CacheAttention(num_kv_heads, scale)
+        return KernelCacheAttention(num_kv_heads, scale, self.library)
 
     def prepare(self) -> None:
         """Pack every bfloat16 weight once: groups as one weight where they can be, then

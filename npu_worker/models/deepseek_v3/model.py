@@ -30,7 +30,6 @@ from npu_worker.models.kit import LayerKit, TorchKit
 from npu_worker.models.launch import KVCache, LaunchInputs, LaunchModel, LaunchOutput
 from npu_worker.models.layers import (
     attend,
-    cached_keys,
     causal_mask,
     rotate_half,
     rotate_interleaved,
@@ -67,6 +66,7 @@ class LatentAttention(nn.Module):
         # absorbed into the queries and the output: only its weight is read, never a product
         self.kv_b_proj = nn.Linear(config.kv_lora_rank, kv_b_out, bias=False)
         self.o_proj = kit.linear(heads * config.v_head_dim, hidden, bias=bias)
+        self.attention = kit.cache_attention(1, config.softmax_scale)
 
     def forward(
         self,
@@ -103,11 +103,10 @@ class LatentAttention(nn.Module):
         if cache is None:  # fitting an MTP layer: whole sequences, no cache
             keys = key.transpose(1, 2)
             values, visible = keys[..., : c.kv_lora_rank], causal_mask(launch.positions, seq)
+            out = attend(query, keys, values, visible, num_kv_heads=1, scale=c.softmax_scale)
         else:
-            keys, values, visible = cached_keys(
-                cache.k[self.layer], cache.v[self.layer], key, key[..., : c.kv_lora_rank], launch
-            )
-        out = attend(query, keys, values, visible, num_kv_heads=1, scale=c.softmax_scale)
+            values = key[..., : c.kv_lora_rank]
+            out = self.attention(query, key, values, cache, self.layer, launch)
         out = torch.einsum("bshc,hvc->bshv", out, w_uv)
         return self.o_proj(out.reshape(batch, seq, c.num_heads * c.v_head_dim))
 

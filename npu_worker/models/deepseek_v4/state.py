@@ -95,6 +95,14 @@ class DeepseekV4State:
                 Ring(num_slots, 2 * rate, (2, 2 * di), like) if csa else None
             )
 
+    # a slot's compressor rings and partial windows at a block's end are not kept apart
+    # from what comes after it, so a prefix cannot be copied out of a slot
+    prefix_cacheable = False
+
+    def copy_prefix(self, source: int, target: int, num_tokens: int) -> None:
+        """Refused: see `prefix_cacheable`."""
+        raise ValueError("DeepSeek-V4's state cannot share a prefix between slots")
+
     @staticmethod
     def _zeros(num_slots: int, rows: int, width: int, like: torch.Tensor) -> torch.Tensor:
         return torch.zeros((num_slots, rows, width), dtype=like.dtype, device=like.device)

@@ -1,0 +1,186 @@
+"""The prefix cache's index and the planner's use of it (batcher/prefix.py, §3a): which
+slot holds which blocks, when they count as held, and how a hit is placed. The end-to-end
+exactness of hits is in test_prefix_cache_pool."""
+
+from __future__ import annotations
+
+import pytest
+
+from batcher.outcomes import apply_result
+from batcher.prefix import block_keys
+from batcher.scheduler import (
+    PlannerConfig,
+    PoolState,
+    Sequence,
+    finish,
+    join_rank,
+    lose_rank,
+    plan_step,
+)
+from schemas.control import RequestOutcome, StepResult
+
+pytestmark = pytest.mark.fast
+
+BLOCK = 16
+SHARED = list(range(100, 100 + 3 * BLOCK))  # three full blocks
+
+
+def make_state(ranks: int = 1, slots: int = 4, **overrides: bool | int) -> PoolState:
+    values: dict[str, bool | int] = dict(
+        num_ranks=ranks,
+        max_num_seqs=64,
+        kv_slots_per_rank=slots,
+        decode_batch=8,
+        prefill_chunk=32,
+        prefill_slots=4,
+        pack_prefill=True,
+        prefix_caching=True,
+        block_size=BLOCK,
+    )
+    return PoolState(PlannerConfig(**{**values, **overrides}))  # type: ignore[arg-type]
+
+
+def queue(state: PoolState, name: str, tokens: list[int], order: int = 0) -> Sequence:
+    seq = Sequence(name, len(tokens), 8, order=order)
+    seq.block_keys = block_keys(tokens, BLOCK, "m")
+    seq.admission = 1
+    state.waiting.append(seq)
+    return seq
+
+
+def first_token(state: PoolState, seq: Sequence) -> None:
+    """The request's rank reports its first token (its prompt has been computed)."""
+    outcome = RequestOutcome(seq.request_id, seq.admission, 1)
+    apply_result(state, StepResult(epoch=1, step=1, rank=seq.rank, outcomes=[outcome]))
+
+
+def served(state: PoolState, name: str, tokens: list[int], order: int = 0) -> Sequence:
+    """Admit a request, plan its prefill and report its first token."""
+    seq = queue(state, name, tokens, order)
+    plan_step(state)
+    assert seq.is_admitted and seq.is_prefilled
+    first_token(state, seq)
+    return seq
+
+
+def test_block_keys_chain_every_token_before_them_and_the_model() -> None:
+    keys = block_keys(SHARED + [1, 2, 3], BLOCK, "m")
+    assert len(keys) == 3  # the partial last block has no key
+    assert len(set(keys)) == 3
+    other = SHARED.copy()
+    other[0] += 1  # a change in the first block changes every key after it
+    assert not set(block_keys(other, BLOCK, "m")) & set(keys)
+    other = SHARED.copy()
+    other[-1] += 1  # in the last: only its own
+    assert block_keys(other, BLOCK, "m")[:2] == keys[:2] != block_keys(other, BLOCK, "m")
+    assert not set(block_keys(SHARED, BLOCK, "other model")) & set(keys)
+
+
+def test_a_hit_starts_its_prefill_after_the_cached_blocks_in_the_holders_free_slot() -> None:
+    state = make_state()
+    a = served(state, "a", SHARED + [1] * 5)
+    finish(state, "a")
+    b = queue(state, "b", SHARED[: 2 * BLOCK] + [7] * 9, order=1)
+    plan = plan_step(state)
+    assert plan.admitted == [b]
+    assert (b.rank, b.slot, b.cached_from, b.num_cached) == (a.rank, a.slot, a.slot, 2 * BLOCK)
+    [[chunk]] = plan.prefill[0]
+    assert (chunk.start, chunk.num_tokens) == (2 * BLOCK, 9)  # only what is not cached
+
+
+def test_a_hit_on_a_running_request_copies_its_blocks_into_another_slot() -> None:
+    state = make_state()
+    a = served(state, "a", SHARED + [1] * 5)
+    b = queue(state, "b", SHARED + [2] * 5, order=1)
+    plan = plan_step(state)
+    assert b.slot != a.slot
+    assert (b.cached_from, b.num_cached) == (a.slot, 3 * BLOCK)
+    [[chunk]] = plan.prefill[0]
+    assert (chunk.slot, chunk.start, chunk.num_tokens) == (b.slot, 3 * BLOCK, 5)
+
+
+def test_the_last_prompt_token_is_always_computed_and_with_mtp_the_last_cached_one() -> None:
+    state = make_state()
+    served(state, "a", SHARED)
+    b = queue(state, "b", SHARED, order=1)  # the whole prompt is cached
+    plan_step(state)
+    assert b.num_cached == 3 * BLOCK - 1
+    state = make_state(mtp=True)
+    served(state, "a", SHARED + [1])
+    b = queue(state, "b", SHARED + [2], order=1)
+    plan_step(state)
+    assert b.num_cached == 3 * BLOCK - 1  # its draft entry reads the token after it
+
+
+def test_blocks_count_only_once_their_first_token_shows_they_were_computed() -> None:
+    state = make_state()
+    queue(state, "a", SHARED + [1])
+    b = queue(state, "b", SHARED + [2], order=1)  # admitted beside a: nothing is held yet
+    plan_step(state)
+    assert b.num_cached == 0
+    c = queue(state, "c", SHARED + [3], order=2)
+    plan_step(state)  # a's prompt is planned, but its rank has not reported it
+    assert c.num_cached == 0
+
+
+def test_a_slot_written_over_forgets_its_blocks() -> None:
+    state = make_state(slots=1)
+    served(state, "a", SHARED + [1])
+    finish(state, "a")
+    served(state, "x", [9] * (2 * BLOCK), order=1)  # takes the only slot
+    finish(state, "x")
+    b = queue(state, "b", SHARED + [2], order=2)
+    plan_step(state)
+    assert b.num_cached == 0
+
+
+def test_a_new_request_takes_a_slot_holding_nothing_then_the_least_recently_freed() -> None:
+    state = make_state(slots=3)
+    a = served(state, "a", SHARED + [1])
+    c = served(state, "c", [5] * (2 * BLOCK), order=1)
+    finish(state, "a")
+    finish(state, "c")  # slots: a's (freed first), c's, one holding nothing
+    x = queue(state, "x", [8] * 40, order=2)
+    plan_step(state)
+    assert x.slot not in (a.slot, c.slot)
+    y = queue(state, "y", [7] * 40, order=3)
+    plan_step(state)
+    assert y.slot == a.slot  # the least recently freed holder goes first
+    z = queue(state, "z", [5] * (2 * BLOCK) + [1], order=4)
+    plan_step(state)
+    assert (z.slot, z.num_cached) == (c.slot, 2 * BLOCK)  # c's blocks were kept
+
+
+def test_the_rank_holding_the_prefix_is_chosen_and_a_lost_rank_holds_nothing() -> None:
+    state = make_state(ranks=2)
+    a = served(state, "a", SHARED + [1])
+    other = 1 - a.rank
+    b = queue(state, "b", SHARED + [2], order=1)  # the other rank has more free slots
+    plan_step(state)
+    assert (b.rank, b.num_cached) == (a.rank, 3 * BLOCK)
+    lose_rank(state, a.rank)
+    join_rank(state, a.rank)
+    c = queue(state, "c", SHARED + [3], order=2)
+    plan_step(state)
+    assert c.num_cached == 0
+    assert c.rank in (a.rank, other)
+
+
+def test_nothing_is_cached_with_prefix_caching_off() -> None:
+    state = make_state(prefix_caching=False)
+    served(state, "a", SHARED + [1])
+    finish(state, "a")
+    b = queue(state, "b", SHARED + [2], order=1)
+    plan_step(state)
+    assert (b.num_cached, b.num_prefilled, b.cached_from) == (0, len(SHARED) + 1, -1)
+
+
+def test_a_stale_outcome_registers_nothing() -> None:
+    state = make_state()
+    a = queue(state, "a", SHARED + [1])
+    plan_step(state)
+    outcome = RequestOutcome("a", a.admission + 1, 1)  # not the admission running
+    apply_result(state, StepResult(epoch=1, step=1, rank=a.rank, outcomes=[outcome]))
+    assert state.prefix.blocks_held() == 0
+    first_token(state, a)
+    assert state.prefix.blocks_held() == 3

@@ -1,0 +1,180 @@
+"""Prefix caching is exact (docs/architecture.md §3a): requests whose prompts start with
+blocks another request computed skip those blocks' prefill, copied from a running
+request's slot or found in a freed one, and get the tokens and logprobs they get with
+prefix caching off, bit for bit: greedy and seeded sampling, with and without MTP, for
+Llama and DeepSeek-V3. The planner and a rank run in this process, as the pool runs them."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from batcher.dispatch import rank_plans
+from batcher.intake import Tracked
+from batcher.outcomes import apply_result
+from batcher.prefix import block_keys
+from batcher.scheduler import PlannerConfig, PoolState, Sequence, plan_step
+from npu_worker.runner import LaunchRunner
+from npu_worker.weights.loader import LoadedModel, load_model
+from npu_worker.weights.presets import resolve_model_dir
+from schemas.config import Settings
+from schemas.messages import GenerateRequest, SamplingParams
+from tests.helpers import LocalRank, random_prompt
+
+MAX_MODEL_LEN = 512
+MAX_TOKENS = 8
+
+
+@dataclass(slots=True)
+class Served:
+    """What each request got, and how the planner placed the hits."""
+
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[Any]] = field(default_factory=dict)
+    cached: dict[str, int] = field(default_factory=dict)
+    copied: int = 0  # hits copied from another slot
+    in_place: int = 0  # hits found in the slot they took
+
+
+def workload(vocab_size: int) -> list[tuple[int, list[int], SamplingParams]]:
+    """(arrival step, prompt, sampling): a shared 300-token system prompt with distinct
+    questions, arriving while the first decodes and after everything ended; one prompt
+    exactly two blocks long, and one the system prompt alone."""
+    rng = random.Random(7)
+    system = random_prompt(rng, 300, vocab_size)
+    arrivals: list[tuple[int, list[int]]] = [(0, system + random_prompt(rng, 20, vocab_size))]
+    arrivals += [
+        (3, system + random_prompt(rng, rng.randrange(5, 60), vocab_size)) for _ in range(3)
+    ]
+    arrivals += [(3, system[:256])]
+    arrivals += [
+        (40, system + random_prompt(rng, rng.randrange(5, 60), vocab_size)) for _ in range(3)
+    ]
+    arrivals += [(40, system), (40, random_prompt(rng, 200, vocab_size))]
+    requests = []
+    for i, (step, prompt) in enumerate(arrivals):
+        sampled = i % 2 == 1
+        sampling = SamplingParams(
+            max_tokens=MAX_TOKENS,
+            ignore_eos=True,
+            logprobs=2,
+            temperature=0.9 if sampled else 0.0,
+            seed=1000 + i if sampled else None,
+        )
+        requests.append((step, prompt, sampling))
+    return requests
+
+
+def serve(loaded: LoadedModel, prefix_caching: bool, mtp: bool) -> Served:
+    settings = Settings(
+        model="tiny",
+        device="cpu",
+        max_model_len=MAX_MODEL_LEN,
+        decode_batch=4,
+        kv_slots_per_rank=6,
+        prefill_slots=2,
+        mtp=mtp,
+        prefix_caching=prefix_caching,
+    )
+    runner = LaunchRunner(loaded.model, settings.launch_shapes())
+    assert runner.prefix_cacheable
+    rank = LocalRank(runner, loaded.tokenizer, (), MAX_MODEL_LEN)
+    config = PlannerConfig(
+        1, 64, 6, 4, 128, 2, pack_prefill=True, prefix_caching=prefix_caching, mtp=mtp
+    )
+    state = PoolState(config)
+    pending = workload(loaded.config.vocab_size)
+    tracked: dict[str, Tracked] = {}
+    served = Served()
+    for step in range(1, 400):
+        for order, (arrival, prompt, sampling) in enumerate(pending):
+            name = f"r{order}"
+            if arrival <= step and name not in tracked:
+                request = GenerateRequest(id=name, prompt_token_ids=prompt, sampling=sampling)
+                tracked[name] = Tracked(b"0-1", "s", request, prompt)
+                seq = Sequence(name, len(prompt), MAX_TOKENS, order)
+                seq.admission = 1
+                seq.block_keys = block_keys(prompt, config.block_size, "tiny")
+                state.waiting.append(seq)
+                served.tokens[name], served.logprobs[name] = [], []
+        if len(tracked) == len(pending) and not (state.waiting or state.running):
+            return served
+        plan = plan_step(state)
+        for seq in plan.admitted:
+            if seq.num_cached:
+                served.in_place += seq.cached_from == seq.slot
+                served.copied += seq.cached_from != seq.slot
+        for rank_plan in rank_plans(plan, tracked, 0, step, settings):
+            out = rank.execute(rank_plan)
+            for chunk in out.chunks:
+                served.tokens[chunk.id] += chunk.token_ids
+                served.logprobs[chunk.id] += chunk.logprobs or []
+                if chunk.usage is not None:
+                    served.cached[chunk.id] = chunk.usage.cached_tokens
+            apply_result(state, out.result)
+    raise AssertionError("the requests never finished")
+
+
+def check_exact(loaded: LoadedModel, mtp: bool) -> None:
+    miss = serve(loaded, prefix_caching=False, mtp=mtp)
+    hit = serve(loaded, prefix_caching=True, mtp=mtp)
+    assert hit.copied >= 3 and hit.in_place >= 3, (hit.copied, hit.in_place)
+    assert sum(miss.cached.values()) == 0
+    recompute = 1 if mtp else 0
+    assert hit.cached["r1"] == 256 - recompute  # two blocks, copied from r0's running slot
+    assert hit.cached["r4"] == 255  # the whole prompt cached: its last token is computed
+    assert hit.cached["r9"] == 0  # shares nothing
+    for name, tokens in miss.tokens.items():
+        assert len(tokens) == MAX_TOKENS
+        assert hit.tokens[name] == tokens, name
+        assert hit.logprobs[name] == miss.logprobs[name], name
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LoadedModel:
+    return load_model(resolve_model_dir("tiny"), "float32", torch.device("cpu"), MAX_MODEL_LEN)
+
+
+@pytest.fixture(scope="module")
+def tiny_mtp() -> LoadedModel:
+    path = resolve_model_dir("tiny")
+    return load_model(path, "float32", torch.device("cpu"), MAX_MODEL_LEN, mtp=True)
+
+
+@pytest.mark.fast
+def test_llama_hits_give_the_tokens_and_logprobs_of_misses(tiny: LoadedModel) -> None:
+    check_exact(tiny, mtp=False)
+
+
+@pytest.mark.fast
+def test_llama_hits_with_mtp_give_the_tokens_and_logprobs_of_misses(tiny_mtp: LoadedModel) -> None:
+    check_exact(tiny_mtp, mtp=True)
+
+
+@pytest.fixture(scope="module")
+def deepseek_v3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    make = pytest.importorskip("npu_worker.weights.makers.deepseek_v3")
+    path = tmp_path_factory.mktemp("v3") / "q_lora"
+    make.build(path, q_lora=True, mtp=True)
+    return path
+
+
+@pytest.mark.parametrize("mtp", [False, True])
+def test_deepseek_v3_hits_give_the_tokens_and_logprobs_of_misses(
+    deepseek_v3: Path, mtp: bool
+) -> None:
+    loaded = load_model(deepseek_v3, "float32", torch.device("cpu"), MAX_MODEL_LEN, mtp=mtp)
+    check_exact(loaded, mtp=mtp)
+
+
+def test_deepseek_v4_state_refuses_to_share_a_prefix() -> None:
+    make = pytest.importorskip("npu_worker.weights.makers.deepseek_v4")
+    assert make is not None
+    from npu_worker.models.deepseek_v4.state import DeepseekV4State
+
+    assert DeepseekV4State.prefix_cacheable is False
