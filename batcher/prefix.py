@@ -1,4 +1,4 @@
-"""The prefix cache's index (docs/architecture.md §3a): which KV slots hold which full
+"""The prefix cache's index (docs/architecture.md §3b): which KV slots hold which full
 blocks of which token prefix, so that a request whose prompt starts with cached blocks
 skips their prefill. Pure: no I/O, no torch.
 

@@ -88,6 +88,13 @@ def pool_status(client: redis.Redis, keys: Keys, pool: str, now_ms: int) -> dict
         "preempted": _int(info, "preempted"),
         "prefill_launches": _int(info, "prefill_launches"),
         "prefill_tokens": _int(info, "prefill_tokens"),
+        "kv_blocks_total": _int(info, PoolField.KV_BLOCKS_TOTAL),
+        "kv_blocks_used": _int(info, PoolField.KV_BLOCKS_USED),
+        "prefix_cache": {
+            "cached_blocks": _int(info, PoolField.CACHED_BLOCKS),
+            "queried_tokens": _int(info, "prefix_cache_queries"),
+            "hit_tokens": _int(info, "prefix_cache_hits"),
+        },
         "rank_time_us": {
             "exec": _int(info, "rank_exec_us"),
             "launch": _int(info, "rank_launch_us"),

@@ -69,6 +69,7 @@ def render(
         if rates is not None and pool["pool"] in rates:
             line += f", {rates[pool['pool']]:.0f} tokens/s"
         parts.append(Text(line))
+        parts.append(Text(_cache_line(pool)))
         mtp = pool["mtp"]
         if mtp["proposed"]:
             parts.append(
@@ -78,6 +79,19 @@ def render(
                 )
             )
     return Group(*parts)
+
+
+def _cache_line(pool: dict[str, Any]) -> str:
+    """Cache blocks in use and the prefix cache's reuse."""
+    prefix = pool.get("prefix_cache", {})
+    queried, hits = prefix.get("queried_tokens", 0), prefix.get("hit_tokens", 0)
+    line = (
+        f"  KV blocks {pool.get('kv_blocks_used', 0)}/{pool.get('kv_blocks_total', 0)} used, "
+        f"{prefix.get('cached_blocks', 0)} prefix blocks held"
+    )
+    if queried:
+        line += f", prompt tokens from cache {hits}/{queried} ({hits / queried:.1%})"
+    return line
 
 
 def _pool_state(pool: dict[str, Any]) -> str:

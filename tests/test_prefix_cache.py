@@ -1,4 +1,4 @@
-"""The prefix cache's index and the planner's use of it (batcher/prefix.py, §3a): which
+"""The prefix cache's index and the planner's use of it (batcher/prefix.py, §3b): which
 slot holds which blocks, when they count as held, and how a hit is placed. The end-to-end
 exactness of hits is in test_prefix_cache_pool."""
 

@@ -1,4 +1,4 @@
-"""Prefix caching is exact (docs/architecture.md §3a): requests whose prompts start with
+"""Prefix caching is exact (docs/architecture.md §3b): requests whose prompts start with
 blocks another request computed skip those blocks' prefill, copied from a running
 request's slot or found in a freed one, and get the tokens and logprobs they get with
 prefix caching off, bit for bit: greedy and seeded sampling, with and without MTP, for
