@@ -1,0 +1,158 @@
+"""Prefix caching: the goals of bench/RESULTS.md ("Prefix caching").
+
+Requests sharing one long system prompt, each with its own question, `--concurrency` at a
+time (a new one as each ends), run twice on the same pool settings: with
+`--no-prefix-caching` (every request cold) and with prefix caching on. Reported per run:
+output tokens/s over the whole run, TTFT p50/p90 of the requests whose prompt came from
+the cache (`usage.cached_tokens` > 0) and of the others, and the share of prompt tokens
+served from the cache. The two runs alternate `--rounds` times; the pool restarts between
+them. Not part of CI:
+
+    python -m bench.probes.prefix_cache --model smollm2 --json bench/out/prefix_cache.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from npu_pool.embedded import EmbeddedRedis
+from npu_pool.launcher import PoolProcesses
+from producer.client import Client
+from schemas.config import Settings
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.probes.prefix_cache", description=__doc__
+    )
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--system-len", type=int, default=1024, help="shared prompt tokens")
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    workdir = Path(tempfile.mkdtemp(prefix="npupool-prefix-"))
+    server = EmbeddedRedis(data_dir=workdir / "redis")
+    url = server.start()
+    runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
+    try:
+        for round_ in range(args.rounds):
+            for mode in ("off", "on"):
+                result = run(url, workdir / f"{mode}{round_}", args, mode == "on")
+                runs[mode].append(result)
+                print(f"{mode}: {json.dumps(result)}", file=sys.stderr)
+    finally:
+        server.stop()
+    report = {"settings": vars(args) | {"json": str(args.json)}, "runs": runs}
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def run(url: str, logs: Path, args: argparse.Namespace, caching: bool) -> dict[str, Any]:
+    """One run of the workload on a fresh pool."""
+    settings = Settings(
+        redis_url=url,
+        model=args.model,
+        dtype=args.dtype,
+        ranks=args.ranks,
+        threads_per_rank=1,
+        max_num_seqs=args.concurrency,
+        kv_slots_per_rank=-(-args.concurrency // args.ranks),
+        max_model_len=args.system_len + 128 + args.output_len,
+        prefix_caching=caching,
+        pool="prefix-on" if caching else "prefix-off",
+    )
+    processes = PoolProcesses(settings, url, log_dir=logs)
+    processes.start()
+    try:
+        with Client(url) as client:
+            client.wait_ready(timeout_s=900, pool=settings.pool)
+            rng = random.Random(1)
+            system = [rng.randrange(100, 20000) for _ in range(args.system_len)]
+            prompts = [
+                system + [rng.randrange(100, 20000) for _ in range(rng.randrange(16, 64))]
+                for _ in range(args.requests)
+            ]
+            return measure(url, prompts, args)
+    finally:
+        processes.stop(timeout_s=30)
+
+
+def measure(url: str, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
+    """Each prompt's TTFT and cached tokens, `concurrency` requests in flight."""
+    results: list[tuple[float, int, int, int]] = []  # ttft s, cached, prompt, output tokens
+    lock = threading.Lock()
+    todo = list(enumerate(prompts))
+
+    def worker() -> None:
+        with Client(url) as client:
+            while True:
+                with lock:
+                    if not todo:
+                        return
+                    i, prompt = todo.pop(0)
+                sent = time.perf_counter()
+                request_id = client.submit(
+                    prompt_token_ids=prompt, max_tokens=args.output_len, ignore_eos=True
+                )
+                first = None
+                tokens, cached = 0, 0
+                for chunk in client.stream(request_id, timeout_s=900):
+                    if chunk.token_ids and first is None:
+                        first = time.perf_counter() - sent
+                    tokens += len(chunk.token_ids)
+                    if chunk.usage is not None:
+                        cached = chunk.usage.cached_tokens
+                with lock:
+                    results.append((first or 0.0, cached, len(prompt), tokens))
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(args.concurrency)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - started
+    hits = [r[0] for r in results if r[1] > 0]
+    cold = [r[0] for r in results if r[1] == 0]
+    return {
+        "wall_s": round(wall, 2),
+        "output_tokens_per_s": round(sum(r[3] for r in results) / wall, 1),
+        "requests": len(results),
+        "hits": len(hits),
+        "ttft_hit_p50_s": _quantile(hits, 0.5),
+        "ttft_hit_p90_s": _quantile(hits, 0.9),
+        "ttft_cold_p50_s": _quantile(cold, 0.5),
+        "ttft_cold_p90_s": _quantile(cold, 0.9),
+        "prompt_tokens_from_cache": round(
+            sum(r[1] for r in results) / sum(r[2] for r in results), 3
+        ),
+    }
+
+
+def _quantile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    if len(values) == 1:
+        return round(values[0], 3)
+    return round(statistics.quantiles(values, n=100, method="inclusive")[int(q * 100) - 1], 3)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
