@@ -56,6 +56,9 @@ class PrefixIndex:
     chains: dict[Holder, tuple[bytes, ...]] = field(default_factory=dict)
     freed_at: dict[Holder, int] = field(default_factory=dict)
     clock: int = 0
+    # keys a slot's request is prefilling now, not yet confirmed: a request starting with
+    # them waits for them rather than computing them again
+    computing: dict[bytes, Holder] = field(default_factory=dict)
 
     def longest(self, keys: tuple[bytes, ...], ranks: set[int]) -> dict[int, Hit]:
         """Per rank, the slots holding the most leading blocks of `keys` (lowest first)."""
@@ -71,6 +74,24 @@ class PrefixIndex:
                 hits[rank] = Hit(rank, depth, slots)
         return hits
 
+    def awaited(self, keys: tuple[bytes, ...], ranks: set[int]) -> bool:
+        """Whether the first of `keys` no live slot holds is being computed on a live rank."""
+        for key in keys:
+            if not any(h[0] in ranks for h in self.holders.get(key, ())):
+                holder = self.computing.get(key)
+                return holder is not None and holder[0] in ranks
+        return False
+
+    def compute(self, holder: Holder, keys: tuple[bytes, ...]) -> None:
+        """The slot's request will compute these blocks (those no slot is computing)."""
+        for key in keys:
+            self.computing.setdefault(key, holder)
+
+    def settle(self, holder: Holder) -> None:
+        """The slot computes nothing more that others wait for."""
+        for key in [k for k, h in self.computing.items() if h == holder]:
+            del self.computing[key]
+
     def holds(self, holder: Holder) -> int:
         """How many blocks a slot holds."""
         return len(self.chains.get(holder, ()))
@@ -83,9 +104,11 @@ class PrefixIndex:
         for key in keys[len(held) :]:
             self.holders.setdefault(key, set()).add(holder)
         self.chains[holder] = keys
+        self.settle(holder)
 
     def keep(self, holder: Holder, num_blocks: int) -> None:
         """The slot is written over past its first `num_blocks` blocks: forget the rest."""
+        self.settle(holder)
         held = self.chains.get(holder, ())
         for key in held[num_blocks:]:
             holding = self.holders.get(key)
@@ -101,6 +124,7 @@ class PrefixIndex:
 
     def freed(self, holder: Holder) -> None:
         """The slot's request is gone; what it holds stays until the slot is taken."""
+        self.settle(holder)
         self.clock += 1
         self.freed_at[holder] = self.clock
 
@@ -110,6 +134,8 @@ class PrefixIndex:
             self.keep(holder, 0)
         for holder in [h for h in self.freed_at if h[0] == rank]:
             del self.freed_at[holder]
+        for key in [k for k, h in self.computing.items() if h[0] == rank]:
+            del self.computing[key]
 
     def spare(self, rank: int, free: list[int]) -> int:
         """Of a rank's free slots, the one to write over: one holding nothing (the lowest),

@@ -100,6 +100,7 @@ class Sequence:
     num_cached: int = 0  # context tokens its slot holds from a cached prefix at admission
     cached_from: int = -1  # the slot they are copied from (its own: they are there)
     registered: bool = False  # its blocks are in the prefix index
+    deferred: bool = False  # it waits for a running request to compute its leading blocks
 
     @property
     def is_admitted(self) -> bool:
@@ -321,7 +322,8 @@ def join_rank(state: PoolState, rank: int) -> None:
 def _admit(state: PoolState) -> list[Sequence]:
     """Admit waiting requests while there is room: most urgent first, and with several
     tenants waiting, in their fair order (batcher/fairness.py); none of a tenant at its
-    `max_running`."""
+    `max_running`, and none whose next uncached blocks a running request is computing (it
+    waits for them, so a burst sharing a prompt computes it once)."""
     admitted: list[Sequence] = []
     state.waiting.sort(key=lambda s: (-s.urgency, s.order))
     if not state.waiting or state.room() <= 0:
@@ -331,10 +333,14 @@ def _admit(state: PoolState) -> list[Sequence]:
     if tenants or any(s.tenant != order[0].tenant for s in order):
         held = Counter(s.tenant for s in state.running.values())
         order = fair_order(order, held, tenants, state.capacity())
+    prefix = state.prefix if state.config.prefix_caching else None
     for seq in order:
         if state.room() <= 0:
             break
         if held is not None and at_cap(tenants, seq.tenant, held):
+            continue
+        seq.deferred = prefix is not None and prefix.awaited(seq.block_keys, state.ranks)
+        if seq.deferred:  # the blocks it starts with come soon: it need not compute them
             continue
         ranks = _ranks_for(state, seq.isolated)
         if not ranks:  # an isolated request waits for a rank to empty; the queue with it
@@ -369,7 +375,7 @@ def _preempt(state: PoolState) -> list[Sequence]:
         return []
     pending = sum(1 for s in state.running.values() if s.preempting)
     first = _least_urgent(state)
-    heads = state.waiting[pending:]
+    heads = [s for s in state.waiting if not s.deferred][pending:]
     if first is None or not heads or heads[0].urgency <= first.urgency + margin:
         return []  # (the common case, without sorting every running request)
     preempted: list[Sequence] = []
@@ -527,13 +533,16 @@ def _place(state: PoolState, seq: Sequence, ranks: list[int]) -> None:
         source, taken = hit.slot(free)
         slot = source if taken else prefix.spare(rank, free)
         kept = hit.num_blocks if taken else 0
+        reused = hit.num_blocks
         seq.num_cached, seq.cached_from, seq.num_prefilled = cached, source, cached
     else:
         rank = _pick_rank(state, ranks)
         slot = prefix.spare(rank, state.free_slots[rank])
-        kept = 0
+        kept = reused = 0
     state.free_slots[rank].remove(slot)
     prefix.keep((rank, slot), kept)
+    if config.prefix_caching:
+        prefix.compute((rank, slot), seq.block_keys[reused:])
     seq.rank, seq.slot = rank, slot
 
 

@@ -114,13 +114,26 @@ def test_the_last_prompt_token_is_always_computed_and_with_mtp_the_last_cached_o
 
 def test_blocks_count_only_once_their_first_token_shows_they_were_computed() -> None:
     state = make_state()
+    a = queue(state, "a", SHARED + [1])
+    b = queue(state, "b", SHARED + [2], order=1)  # arrives with a: waits for a's blocks
+    plan = plan_step(state)
+    assert plan.admitted == [a] and b.deferred and state.waiting == [b]
+    assert plan_step(state).admitted == []  # a's prompt is planned, its rank has not reported
+    first_token(state, a)
+    plan = plan_step(state)
+    assert plan.admitted == [b] and b.num_cached == 3 * BLOCK
+
+
+def test_a_request_waits_for_blocks_only_while_their_request_computes_them() -> None:
+    state = make_state()
     queue(state, "a", SHARED + [1])
-    b = queue(state, "b", SHARED + [2], order=1)  # admitted beside a: nothing is held yet
     plan_step(state)
-    assert b.num_cached == 0
-    c = queue(state, "c", SHARED + [3], order=2)
-    plan_step(state)  # a's prompt is planned, but its rank has not reported it
-    assert c.num_cached == 0
+    b = queue(state, "b", SHARED + [2], order=1)
+    other = queue(state, "c", [4] * 40, order=2)  # shares nothing: not held back
+    assert plan_step(state).admitted == [other]
+    finish(state, "a")  # a ended before its first token (cancelled, say)
+    plan = plan_step(state)
+    assert plan.admitted == [b] and b.num_cached == 0 and not b.deferred
 
 
 def test_a_slot_written_over_forgets_its_blocks() -> None:
