@@ -58,7 +58,7 @@ class PrefixIndex:
     clock: int = 0
     # keys a slot's request is prefilling now, not yet confirmed: a request starting with
     # them waits for them rather than computing them again
-    computing: dict[bytes, Holder] = field(default_factory=dict)
+    computing: dict[bytes, set[Holder]] = field(default_factory=dict)
 
     def longest(self, keys: tuple[bytes, ...], ranks: set[int]) -> dict[int, Hit]:
         """Per rank, the slots holding the most leading blocks of `keys` (lowest first)."""
@@ -74,23 +74,30 @@ class PrefixIndex:
                 hits[rank] = Hit(rank, depth, slots)
         return hits
 
-    def awaited(self, keys: tuple[bytes, ...], ranks: set[int]) -> bool:
-        """Whether the first of `keys` no live slot holds is being computed on a live rank."""
+    def coming(self, keys: tuple[bytes, ...], rank: int) -> bool:
+        """Whether the first of `keys` the rank holds in no slot is being computed there."""
         for key in keys:
-            if not any(h[0] in ranks for h in self.holders.get(key, ())):
-                holder = self.computing.get(key)
-                return holder is not None and holder[0] in ranks
+            if not any(h[0] == rank for h in self.holders.get(key, ())):
+                return any(h[0] == rank for h in self.computing.get(key, ()))
         return False
 
+    def awaited(self, keys: tuple[bytes, ...], ranks: list[int]) -> bool:
+        """Whether on every rank of `ranks` the next blocks of `keys` are being computed:
+        waiting for them is then better than computing them once more anywhere."""
+        return bool(keys and ranks) and all(self.coming(keys, rank) for rank in ranks)
+
     def compute(self, holder: Holder, keys: tuple[bytes, ...]) -> None:
-        """The slot's request will compute these blocks (those no slot is computing)."""
+        """The slot's request will compute these blocks."""
         for key in keys:
-            self.computing.setdefault(key, holder)
+            self.computing.setdefault(key, set()).add(holder)
 
     def settle(self, holder: Holder) -> None:
         """The slot computes nothing more that others wait for."""
-        for key in [k for k, h in self.computing.items() if h == holder]:
-            del self.computing[key]
+        for key in [k for k, held in self.computing.items() if holder in held]:
+            held = self.computing[key]
+            held.discard(holder)
+            if not held:
+                del self.computing[key]
 
     def holds(self, holder: Holder) -> int:
         """How many blocks a slot holds."""
@@ -134,8 +141,8 @@ class PrefixIndex:
             self.keep(holder, 0)
         for holder in [h for h in self.freed_at if h[0] == rank]:
             del self.freed_at[holder]
-        for key in [k for k, h in self.computing.items() if h[0] == rank]:
-            del self.computing[key]
+        for holder in {h for held in self.computing.values() for h in held if h[0] == rank}:
+            self.settle(holder)
 
     def spare(self, rank: int, free: list[int]) -> int:
         """Of a rank's free slots, the one to write over: one holding nothing (the lowest),

@@ -322,8 +322,8 @@ def join_rank(state: PoolState, rank: int) -> None:
 def _admit(state: PoolState) -> list[Sequence]:
     """Admit waiting requests while there is room: most urgent first, and with several
     tenants waiting, in their fair order (batcher/fairness.py); none of a tenant at its
-    `max_running`, and none whose next uncached blocks a running request is computing (it
-    waits for them, so a burst sharing a prompt computes it once)."""
+    `max_running`, and none whose next uncached blocks are being computed on every rank it
+    could go to (it waits for them, so a burst sharing a prompt computes it once a rank)."""
     admitted: list[Sequence] = []
     state.waiting.sort(key=lambda s: (-s.urgency, s.order))
     if not state.waiting or state.room() <= 0:
@@ -339,10 +339,10 @@ def _admit(state: PoolState) -> list[Sequence]:
             break
         if held is not None and at_cap(tenants, seq.tenant, held):
             continue
-        seq.deferred = prefix is not None and prefix.awaited(seq.block_keys, state.ranks)
+        ranks = _ranks_for(state, seq.isolated)
+        seq.deferred = prefix is not None and prefix.awaited(seq.block_keys, ranks)
         if seq.deferred:  # the blocks it starts with come soon: it need not compute them
             continue
-        ranks = _ranks_for(state, seq.isolated)
         if not ranks:  # an isolated request waits for a rank to empty; the queue with it
             break
         _place(state, seq, ranks)
@@ -517,8 +517,9 @@ def _ranks_for(state: PoolState, isolated: bool) -> list[int]:
 def _place(state: PoolState, seq: Sequence, ranks: list[int]) -> None:
     """Give a request a rank and a slot: the rank holding most of its prompt's leading
     blocks, if any does (its slot, when free; else a copy of them), else the rank with the
-    most free slots, ties round-robin. Cached tokens count as prefilled (at least the
-    last is always computed; unpacked, prefill resumes on a chunk's boundary)."""
+    most free slots of those not computing them already, ties round-robin. Cached tokens
+    count as prefilled (at least the last is always computed; unpacked, prefill resumes
+    on a chunk's boundary)."""
     config, prefix = state.config, state.prefix
     hits = prefix.longest(seq.block_keys, set(ranks)) if config.prefix_caching else {}
     cached = 0
@@ -535,8 +536,9 @@ def _place(state: PoolState, seq: Sequence, ranks: list[int]) -> None:
         kept = hit.num_blocks if taken else 0
         reused = hit.num_blocks
         seq.num_cached, seq.cached_from, seq.num_prefilled = cached, source, cached
-    else:
-        rank = _pick_rank(state, ranks)
+    else:  # a rank not computing its blocks already, if there is one
+        fresh = [r for r in ranks if not prefix.coming(seq.block_keys, r)]
+        rank = _pick_rank(state, fresh or ranks)
         slot = prefix.spare(rank, state.free_slots[rank])
         kept = reused = 0
     state.free_slots[rank].remove(slot)

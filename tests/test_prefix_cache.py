@@ -197,3 +197,16 @@ def test_a_stale_outcome_registers_nothing() -> None:
     assert state.prefix.blocks_held() == 0
     first_token(state, a)
     assert state.prefix.blocks_held() == 3
+
+
+def test_a_burst_sharing_a_prompt_computes_it_once_a_rank_and_the_rest_wait() -> None:
+    state = make_state(ranks=2)
+    burst = [queue(state, f"b{i}", SHARED + [i], order=i) for i in range(5)]
+    plan = plan_step(state)
+    assert [s.request_id for s in plan.admitted] == ["b0", "b1"]
+    assert {burst[0].rank, burst[1].rank} == {0, 1}
+    assert all(s.deferred for s in burst[2:])
+    first_token(state, burst[0])
+    plan = plan_step(state)
+    assert {s.request_id for s in plan.admitted} == {"b2", "b3", "b4"}
+    assert all(s.num_cached == 3 * BLOCK for s in burst[2:])
