@@ -4,8 +4,9 @@ Requests sharing one long system prompt, each with its own question, `--concurre
 time (a new one as each ends), run twice on the same pool settings: with
 `--no-prefix-caching` (every request cold) and with prefix caching on. Reported per run:
 output tokens/s over the whole run, TTFT p50/p90 of the requests whose prompt came from
-the cache (`usage.cached_tokens` > 0) and of the others, and the share of prompt tokens
-served from the cache. The two runs alternate `--rounds` times; the pool restarts between
+the cache (`usage.cached_tokens` > 0) and of the others, of the requests sent after the
+first burst (each as an earlier one ended), and the share of prompt tokens served from
+the cache. The two runs alternate `--rounds` times; the pool restarts between
 them. Not part of CI:
 
     python -m bench.probes.prefix_cache --model smollm2 --json bench/out/prefix_cache.json
@@ -96,7 +97,8 @@ def run(url: str, logs: Path, args: argparse.Namespace, caching: bool) -> dict[s
 
 def measure(url: str, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
     """Each prompt's TTFT and cached tokens, `concurrency` requests in flight."""
-    results: list[tuple[float, int, int, int]] = []  # ttft s, cached, prompt, output tokens
+    # ttft s, cached, prompt tokens, output tokens, whether it came after the first burst
+    results: list[tuple[float, int, int, int, bool]] = []
     lock = threading.Lock()
     todo = list(enumerate(prompts))
 
@@ -120,7 +122,8 @@ def measure(url: str, prompts: list[list[int]], args: argparse.Namespace) -> dic
                     if chunk.usage is not None:
                         cached = chunk.usage.cached_tokens
                 with lock:
-                    results.append((first or 0.0, cached, len(prompt), tokens))
+                    later = i >= args.concurrency
+                    results.append((first or 0.0, cached, len(prompt), tokens, later))
 
     started = time.perf_counter()
     threads = [threading.Thread(target=worker) for _ in range(args.concurrency)]
@@ -131,6 +134,7 @@ def measure(url: str, prompts: list[list[int]], args: argparse.Namespace) -> dic
     wall = time.perf_counter() - started
     hits = [r[0] for r in results if r[1] > 0]
     cold = [r[0] for r in results if r[1] == 0]
+    steady = [r[0] for r in results if r[4]]  # sent as earlier ones ended, not in the burst
     return {
         "wall_s": round(wall, 2),
         "output_tokens_per_s": round(sum(r[3] for r in results) / wall, 1),
@@ -140,6 +144,8 @@ def measure(url: str, prompts: list[list[int]], args: argparse.Namespace) -> dic
         "ttft_hit_p90_s": _quantile(hits, 0.9),
         "ttft_cold_p50_s": _quantile(cold, 0.5),
         "ttft_cold_p90_s": _quantile(cold, 0.9),
+        "ttft_after_burst_p50_s": _quantile(steady, 0.5),
+        "ttft_after_burst_p90_s": _quantile(steady, 0.9),
         "prompt_tokens_from_cache": round(
             sum(r[1] for r in results) / sum(r[2] for r in results), 3
         ),
