@@ -99,10 +99,6 @@ class PrefixIndex:
             if not held:
                 del self.computing[key]
 
-    def holds(self, holder: Holder) -> int:
-        """How many blocks a slot holds."""
-        return len(self.chains.get(holder, ()))
-
     def register(self, holder: Holder, keys: tuple[bytes, ...]) -> None:
         """The slot's rank has computed these blocks there (they extend what it holds)."""
         held = self.chains.get(holder, ())
