@@ -132,6 +132,13 @@ def main(argv: list[str]) -> int:
         default=None,
         help="a Python with vLLM: add vLLM as a peer (needs --model DIR)",
     )
+    parser.add_argument(
+        "--vllm-dtype",
+        choices=["same", "float32", "bfloat16"],
+        default="same",
+        help="the dtype vLLM runs at (default: the pool's); on a CPU without native bfloat16 "
+        "vLLM's best is float32, whatever the pool runs",
+    )
     add_settings_flags(parser)
     args = parser.parse_args(argv)
     try:
@@ -145,7 +152,12 @@ def main(argv: list[str]) -> int:
     per_level = args.requests or (64 if args.quick else 160)
     try:
         vllm = (
-            check_vllm_peer(args.vllm_python, settings, worker_threads(settings) * settings.ranks)
+            check_vllm_peer(
+                args.vllm_python,
+                settings,
+                worker_threads(settings) * settings.ranks,
+                None if args.vllm_dtype == "same" else args.vllm_dtype,
+            )
             if args.vllm_python
             else None
         )

@@ -62,10 +62,13 @@ class VllmPeer:
         }
 
 
-def check_vllm_peer(python: str, settings: Settings, threads: int) -> VllmPeer:
-    """The peer for `--vllm-python`, or VllmUnavailable saying why it cannot run."""
+def check_vllm_peer(
+    python: str, settings: Settings, threads: int, dtype: str | None = None
+) -> VllmPeer:
+    """The peer for `--vllm-python` at `dtype` (None: the pool's), or VllmUnavailable saying
+    why it cannot run."""
     model_dir = _model_dir(settings.model)
-    dtype = _vllm_dtype(settings.dtype, model_dir)
+    dtype = _vllm_dtype(dtype or settings.dtype, model_dir)
     exe = Path(python).expanduser()
     if not exe.is_file() or not os.access(exe, os.X_OK):
         raise VllmUnavailable(f"--vllm-python {python}: no such executable; {BUILD_HINT}")

@@ -8,6 +8,12 @@
 #include <string.h>
 #ifdef __AVX512F__
 #include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#define HAVE_AVX2_ATTENTION 1 /* attention_avx2.c */
+void score_keys64_avx2(const float *q, int nq, const int *n, int longest, const char *k,
+                       int64_t k_step, int dtype, float scale, float *scores);
+void weigh_values_avx2(const float *p, int64_t p_step, int nq, int n, const char *v,
+                       int64_t v_step, int dtype, int vdim, float *acc);
 #endif
 
 #define LANES 16
@@ -337,6 +343,15 @@ static void attend_row(const float *q, const uint16_t *qh, int queries, const in
         }
         t = longest;
     }
+#elif defined(HAVE_AVX2_ATTENTION)
+    if (dim == 64) {
+        for (int i = 0; i < queries; i++) {
+            int n = (int)limit[i / group];
+            score_keys64_avx2(q + (size_t)i * dim, 1, &n, longest, k, k_step, dtype, scale,
+                              scores + (size_t)i * longest);
+        }
+        t = longest;
+    }
 #endif
     for (; t < longest; t++) {
         const float *key = widen(k + (size_t)t * k_step * elem, dtype, dim, wide);
@@ -349,6 +364,11 @@ static void attend_row(const float *q, const uint16_t *qh, int queries, const in
     for (int s = 0; s < seq; s++)
         for (int i = s * group; i < (s + 1) * group; i++)
             total[i] = softmax_row(scores + (size_t)i * longest, (int)limit[s], longest);
+#ifdef HAVE_AVX2_ATTENTION
+    if (vdim % 32 == 0)
+        weigh_values_avx2(scores, longest, queries, longest, v, v_step, dtype, vdim, acc);
+    else
+#endif
     for (int i = 0; i < queries; i += MAX_QUERIES) {
         int nq = queries - i < MAX_QUERIES ? queries - i : MAX_QUERIES;
         weigh_values(scores + (size_t)i * longest, longest, nq, longest, v, v_step, dtype,

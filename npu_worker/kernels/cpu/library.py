@@ -9,7 +9,9 @@ its slot's keys `0..position` in place in the cache, once for all the queries th
 them: a dot product per key, a softmax, a weighted sum of the values, each in one fixed
 order that depends only on the row's own context. The dot products are summed 16 keys at
 a time through one tree of shuffles (no horizontal sum per key), and bfloat16 keys are
-multiplied as bfloat16 pairs accumulated in float32 (AVX512-BF16) where the CPU has it.
+multiplied as bfloat16 pairs accumulated in float32 (AVX512-BF16) where the CPU has it; on
+CPUs with AVX2 and no AVX-512 the scores and the values' sums run in registers, 8 lanes at
+a time (attention_avx2.c).
 Prefill chunks pass every token as a row of its own (attention.py), so a prompt token's
 attention is computed exactly as its decode would be. So a row's output is bit-identical
 whatever else shares its launch and whatever span the launch reads (docs/architecture.md §2).
@@ -19,11 +21,11 @@ whatever else shares its launch and whatever span the launch reads (docs/archite
 `rms_norm` is Llama's RMSNorm (in bfloat16 the bits of the torch path): each replaces a
 dozen small torch operations a layer, whose dispatch cost as much as their arithmetic.
 
-The C (`kernels.c` and `matmul.c`, beside this file) is built once per machine with the system's C
-compiler into the npu-pool cache (keyed by its source, the compiler and the CPU) and called
-through ctypes, which releases the GIL while it runs. Where there is no compiler or the
-build fails, `load_cpu_kernels` returns None and the CPU kit (layers.py) keeps the
-batched-matrix path and plain torch operations.
+The C (`kernels.c`, `attention_avx2.c` and `matmul.c`, beside this file) is built once per
+machine with the system's C compiler into the npu-pool cache (keyed by its source, the
+compiler and the CPU) and called through ctypes, which releases the GIL while it runs.
+Where there is no compiler or the build fails, `load_cpu_kernels` returns None and the CPU
+kit (layers.py) keeps the batched-matrix path and plain torch operations.
 """
 
 from __future__ import annotations
@@ -47,7 +49,9 @@ from schemas.config import cache_dir
 log = logging.getLogger(__name__)
 
 # shipped as package data, built into one library
-SOURCE_FILES = [Path(__file__).with_name(name) for name in ("kernels.c", "matmul.c")]
+SOURCE_FILES = [
+    Path(__file__).with_name(name) for name in ("kernels.c", "attention_avx2.c", "matmul.c")
+]
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
