@@ -102,16 +102,27 @@ def cpu_has_native_bf16(flags: frozenset[str] | None = None) -> bool:
     return bool((cpu_flags() if flags is None else flags) & NATIVE_BF16_FLAGS)
 
 
+def cpu_prefers_bf16(flags: frozenset[str] | None = None) -> bool:
+    """True on a CPU where bfloat16 weights run faster than float32: one with bfloat16
+    arithmetic, or one where the CPU kernels' own product widens them in registers
+    (AVX-512 F and BW, or AVX2 with FMA: matmul.c). Launches there are bound by the products'
+    multiply-adds and the weights' bytes, and bfloat16 halves the bytes (on an AVX2-only
+    EPYC: a SmolLM2 B32 decode launch 146 ms against float32's 202, bench/RESULTS.md)."""
+    flags = cpu_flags() if flags is None else flags
+    kernel_product = {"avx512f", "avx512bw"} <= flags or {"avx2", "fma"} <= flags
+    return cpu_has_native_bf16(flags) or kernel_product
+
+
 def auto_dtype(
     checkpoint_dtype: torch.dtype, device: torch.device, flags: frozenset[str] | None = None
 ) -> torch.dtype:
     """What `--dtype auto` runs: the checkpoint's dtype, except on a CPU, where bfloat16
-    whenever the CPU has it natively (as vLLM picks on such CPUs), and float16 (slow
-    there) becomes bfloat16 anyway."""
+    for a float32 checkpoint wherever the CPU runs bfloat16 faster (`cpu_prefers_bf16`),
+    and float16 (slow there) becomes bfloat16 anyway."""
     if device.type != "cpu":
         return checkpoint_dtype
     if checkpoint_dtype == torch.float16 or (
-        checkpoint_dtype == torch.float32 and cpu_has_native_bf16(flags)
+        checkpoint_dtype == torch.float32 and cpu_prefers_bf16(flags)
     ):
         return torch.bfloat16
     return checkpoint_dtype

@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 
-from npu_worker.devices import auto_dtype, cpu_has_native_bf16
+from npu_worker.devices import auto_dtype, cpu_prefers_bf16
 from npu_worker.kernels import kit_for
 from npu_worker.kernels.cpu.layers import CpuKit
 from npu_worker.kernels.cpu.library import CpuKernels, load_cpu_kernels
@@ -177,16 +177,20 @@ def test_without_a_working_compiler_launches_fall_back_to_batched_products(
     assert torch.isfinite(logits).all()
 
 
-def test_auto_dtype_is_bfloat16_on_a_cpu_with_native_bfloat16() -> None:
+def test_auto_dtype_is_bfloat16_where_the_cpu_runs_bfloat16_faster() -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    native, plain = frozenset({"avx512f", "avx512_bf16"}), frozenset({"avx2", "avx512f"})
+    native, plain = frozenset({"avx512f", "avx512_bf16"}), frozenset({"sse4_2", "avx"})
     assert auto_dtype(torch.float32, cpu, native) == torch.bfloat16
     assert auto_dtype(torch.float32, cpu, frozenset({"amx_bf16"})) == torch.bfloat16
+    # the kernels' own product widens bfloat16 weights in registers: AVX2 with FMA, AVX-512
+    assert auto_dtype(torch.float32, cpu, frozenset({"avx2", "fma"})) == torch.bfloat16
+    assert auto_dtype(torch.float32, cpu, frozenset({"avx512f", "avx512bw"})) == torch.bfloat16
+    assert auto_dtype(torch.float32, cpu, frozenset({"avx2"})) == torch.float32
     assert auto_dtype(torch.float32, cpu, plain) == torch.float32
     assert auto_dtype(torch.float16, cpu, plain) == torch.bfloat16
     assert auto_dtype(torch.bfloat16, cpu, plain) == torch.bfloat16
     assert auto_dtype(torch.float32, cuda, native) == torch.float32
-    expected = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    expected = torch.bfloat16 if cpu_prefers_bf16() else torch.float32
     assert load_reference_model(SETTINGS.model_copy(update={"dtype": "auto"})).dtype == expected
 
 

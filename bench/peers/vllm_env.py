@@ -104,13 +104,13 @@ def _model_dir(model: str) -> Path:
 
 def _vllm_dtype(dtype: str, model_dir: Path) -> str:
     """The dtype the pool's rank runs at (`auto`: the checkpoint's, bfloat16 for float32 on a
-    CPU with native bfloat16), named for vLLM."""
+    CPU where the pool runs bfloat16 faster), named for vLLM."""
     if dtype == "auto":
         config = json.loads((model_dir / "config.json").read_text())
         dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32")
-        from npu_worker.devices import cpu_has_native_bf16  # torch: not for `--help`
+        from npu_worker.devices import cpu_prefers_bf16  # torch: not for `--help`
 
-        if dtype == "float32" and cpu_has_native_bf16():
+        if dtype == "float32" and cpu_prefers_bf16():
             dtype = "bfloat16"
     if dtype == "float16":  # the pool's CPU ranks run float16 checkpoints in bfloat16
         return "bfloat16"
