@@ -102,15 +102,21 @@ def cpu_has_native_bf16(flags: frozenset[str] | None = None) -> bool:
     return bool((cpu_flags() if flags is None else flags) & NATIVE_BF16_FLAGS)
 
 
+def cpu_runs_kernel_product(flags: frozenset[str] | None = None) -> bool:
+    """True on a CPU where the CPU kernels' own bfloat16 product runs (matmul.c): AVX-512 F
+    and BW, or AVX2 with FMA (the same sums in the same order, 8 lanes at a time)."""
+    flags = cpu_flags() if flags is None else flags
+    return {"avx512f", "avx512bw"} <= flags or {"avx2", "fma"} <= flags
+
+
 def cpu_prefers_bf16(flags: frozenset[str] | None = None) -> bool:
     """True on a CPU where bfloat16 weights run faster than float32: one with bfloat16
-    arithmetic, or one where the CPU kernels' own product widens them in registers
-    (AVX-512 F and BW, or AVX2 with FMA: matmul.c). Launches there are bound by the products'
-    multiply-adds and the weights' bytes, and bfloat16 halves the bytes (on an AVX2-only
-    EPYC: a SmolLM2 B32 decode launch 146 ms against float32's 202, bench/RESULTS.md)."""
+    arithmetic, or one where the kernels' own product widens them in registers. Launches
+    there are bound by the products' multiply-adds and the weights' bytes, and bfloat16
+    halves the bytes (on an AVX2-only EPYC: a SmolLM2 B32 decode launch 146 ms against
+    float32's 202, bench/RESULTS.md)."""
     flags = cpu_flags() if flags is None else flags
-    kernel_product = {"avx512f", "avx512bw"} <= flags or {"avx2", "fma"} <= flags
-    return cpu_has_native_bf16(flags) or kernel_product
+    return cpu_has_native_bf16(flags) or cpu_runs_kernel_product(flags)
 
 
 def auto_dtype(

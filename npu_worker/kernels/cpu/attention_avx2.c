@@ -65,36 +65,32 @@ static inline __attribute__((always_inline)) __m256 score_block(const float *qa,
     return sum8(acc);
 }
 
-/* scores[j][t] = scale * q_j . key t for t < n[j], `nq` queries (float32 [nq, 64]) against a
-   head's keys 64 channels wide, `k_step` elements apart */
-void score_keys64_avx2(const float *q, int nq, const int *n, int longest, const char *k,
-                       int64_t k_step, int dtype, float scale, float *scores) {
+/* scores[t] = scale * q . key t for t < n: a query (float32 [64]) against a head's keys 64
+   channels wide, `k_step` elements apart */
+void score_keys64_avx2(const float *q, int n, const char *k, int64_t k_step, int dtype,
+                       float scale, float *scores) {
     size_t step = (size_t)k_step * (dtype == 0 ? 4 : 2);
     const __m256 scaled = _mm256_set1_ps(scale);
     float qa[64], tail[KEYS];
-    for (int j = 0; j < nq; j++) {
-        arrange_query(q + (size_t)j * 64, dtype, qa);
-        float *out = scores + (size_t)j * longest;
-        int t = 0;
-        for (; t + KEYS <= n[j]; t += KEYS)
-            _mm256_storeu_ps(out + t,
-                             _mm256_mul_ps(score_block(qa, k + t * step, step, dtype, KEYS), scaled));
-        if (t < n[j]) {
-            int m = n[j] - t;
-            __m256 last;
-            switch (m) {
-                case 1: last = score_block(qa, k + t * step, step, dtype, 1); break;
-                case 2: last = score_block(qa, k + t * step, step, dtype, 2); break;
-                case 3: last = score_block(qa, k + t * step, step, dtype, 3); break;
-                case 4: last = score_block(qa, k + t * step, step, dtype, 4); break;
-                case 5: last = score_block(qa, k + t * step, step, dtype, 5); break;
-                case 6: last = score_block(qa, k + t * step, step, dtype, 6); break;
-                default: last = score_block(qa, k + t * step, step, dtype, 7); break;
-            }
-            _mm256_storeu_ps(tail, _mm256_mul_ps(last, scaled));
-            memcpy(out + t, tail, (size_t)m * sizeof(float));
-        }
+    arrange_query(q, dtype, qa);
+    int t = 0;
+    for (; t + KEYS <= n; t += KEYS)
+        _mm256_storeu_ps(scores + t,
+                         _mm256_mul_ps(score_block(qa, k + t * step, step, dtype, KEYS), scaled));
+    if (t == n) return;
+    int m = n - t;
+    __m256 last;
+    switch (m) {
+        case 1: last = score_block(qa, k + t * step, step, dtype, 1); break;
+        case 2: last = score_block(qa, k + t * step, step, dtype, 2); break;
+        case 3: last = score_block(qa, k + t * step, step, dtype, 3); break;
+        case 4: last = score_block(qa, k + t * step, step, dtype, 4); break;
+        case 5: last = score_block(qa, k + t * step, step, dtype, 5); break;
+        case 6: last = score_block(qa, k + t * step, step, dtype, 6); break;
+        default: last = score_block(qa, k + t * step, step, dtype, 7); break;
     }
+    _mm256_storeu_ps(tail, _mm256_mul_ps(last, scaled));
+    memcpy(scores + t, tail, (size_t)m * sizeof(float));
 }
 
 /* 32 channels of `NQ` queries' weighted sums over keys 0..n, in order of the keys, into

@@ -10,8 +10,8 @@
 #include <immintrin.h>
 #elif defined(__AVX2__) && defined(__FMA__)
 #define HAVE_AVX2_ATTENTION 1 /* attention_avx2.c */
-void score_keys64_avx2(const float *q, int nq, const int *n, int longest, const char *k,
-                       int64_t k_step, int dtype, float scale, float *scores);
+void score_keys64_avx2(const float *q, int n, const char *k, int64_t k_step, int dtype,
+                       float scale, float *scores);
 void weigh_values_avx2(const float *p, int64_t p_step, int nq, int n, const char *v,
                        int64_t v_step, int dtype, int vdim, float *acc);
 #endif
@@ -345,11 +345,9 @@ static void attend_row(const float *q, const uint16_t *qh, int queries, const in
     }
 #elif defined(HAVE_AVX2_ATTENTION)
     if (dim == 64) {
-        for (int i = 0; i < queries; i++) {
-            int n = (int)limit[i / group];
-            score_keys64_avx2(q + (size_t)i * dim, 1, &n, longest, k, k_step, dtype, scale,
-                              scores + (size_t)i * longest);
-        }
+        for (int i = 0; i < queries; i++)
+            score_keys64_avx2(q + (size_t)i * dim, (int)limit[i / group], k, k_step, dtype,
+                              scale, scores + (size_t)i * longest);
         t = longest;
     }
 #endif

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from npu_worker.devices import cpu_flags, forced_isa
+from npu_worker.devices import cpu_flags, cpu_runs_kernel_product, forced_isa
 from schemas.config import cache_dir
 
 log = logging.getLogger(__name__)
@@ -285,17 +285,9 @@ def _built(compiler: str) -> Path:
     return target
 
 
-def has_avx512() -> bool:
-    """Whether this CPU (as `NPUPOOL_CPU_ISA` leaves it) has AVX-512 F and BW."""
-    flags = cpu_flags()
-    return "avx512f" in flags and "avx512bw" in flags
-
-
 def has_kernel_linear() -> bool:
-    """Whether the kernels' `linear` runs here: AVX-512 F and BW, or AVX2 with FMA (the same
-    sums in the same order, 8 lanes at a time, so the same bits)."""
-    flags = cpu_flags()
-    return has_avx512() or {"avx2", "fma"} <= flags
+    """Whether the kernels' `linear` runs here (as `NPUPOOL_CPU_ISA` leaves the CPU)."""
+    return cpu_runs_kernel_product()
 
 
 def compile_flags() -> list[str]:
