@@ -7,15 +7,14 @@ a real pool, two expert-parallel ranks serve 48 concurrent requests with the tok
 gets alone on one rank, and a rank killed mid-decode changes no token; with the MTP module
 greedy tokens are those without it and sampled ones follow the same distribution, and a
 rejected draft at a window boundary leaves nothing a later launch reads; FP8 attention
-weights load dequantized, and so does a checkpoint in DeepSeek's release layout (bare names,
-`compress_ratios`, UE8M0 `X.scale` block scales); FP4 experts fail at start naming their
-format."""
+weights load as their dequantized blocks, and so does a checkpoint in DeepSeek's release
+layout (bare names, `compress_ratios`, UE8M0 `X.scale` block scales); FP4 experts:
+tests/test_stored_weights.py."""
 
 from __future__ import annotations
 
 import json
 import random
-import shutil
 from collections.abc import Iterator
 from dataclasses import fields
 from pathlib import Path
@@ -360,14 +359,14 @@ def test_fp8_attention_weights_load_as_their_dequantized_blocks(tmp_path: Path) 
     path = tmp_path / "fp8"
     make.build(path, "small", fp8=True)
     stored = load_file(str(path / "model.safetensors"))
-    weights = dict(
-        load_model(path, "float32", torch.device("cpu"), MAX_MODEL_LEN).model.named_parameters()
-    )
+    model = load_model(path, "float32", torch.device("cpu"), MAX_MODEL_LEN).model
     quantized = [k for k, v in stored.items() if v.dtype == torch.float8_e4m3fn]
     assert len(quantized) >= 4 * 5 and all(".attn." in k for k in quantized)
     for name in quantized:
         want = block_by_block(stored[name], stored[name + "_scale_inv"])
-        assert torch.equal(weights[name].detach(), want), name
+        layer = model.get_submodule(name.removesuffix(".weight"))
+        assert layer.stored is not None, name  # kept as stored, widened when read
+        assert torch.equal(layer.weight.detach(), want), name
 
 
 def block_by_block(fp8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -418,29 +417,13 @@ def test_a_checkpoint_in_deepseeks_release_layout_loads_as_its_transformers_copy
             want = block_by_block(stored[key], scales[key])
             assert (want - param).abs().max() <= param.abs().max() / 8, name  # e4m3: 3 bits
             dequantized += 1
+            got = release.model.get_submodule(name.removesuffix(".weight")).weight
         else:
-            want = param.detach()
-        assert torch.equal(weights[name].detach(), want), name
+            want, got = param.detach(), weights[name]
+        assert torch.equal(got.detach(), want), name
     assert dequantized == len(quantized)
 
     config["quantization_config"]["scale_fmt"] = "e5m2"  # a scale format it does not know
     (released / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedModel, match="scale_fmt 'e5m2'"):
         load_model(released, "float32", torch.device("cpu"), MAX_MODEL_LEN)
-
-
-def test_fp4_experts_fail_at_start_naming_the_format(
-    checkpoints: dict[str, Path], tmp_path: Path
-) -> None:
-    path = tmp_path / "fp4"
-    shutil.copytree(checkpoints["small"], path)
-    config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = {
-        "quant_method": "fp8",
-        "fmt": "e4m3",
-        "weight_block_size": [128, 128],
-        "expert_dtype": "fp4",
-    }
-    (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedModel, match="experts stored as 'fp4'"):
-        load_model(path, "float32", torch.device("cpu"), MAX_MODEL_LEN)

@@ -24,6 +24,7 @@ from torch import nn
 
 from npu_worker.models.launch import Kit, KVCache, LaunchInputs
 from npu_worker.models.layers import RMSNorm, attend, cached_keys, rotate_half
+from npu_worker.models.stored import StoredLinear
 
 
 class Projections:
@@ -137,8 +138,8 @@ class TorchKit:
     name = ""
 
     def linear(self, in_features: int, out_features: int, bias: bool = False) -> nn.Linear:
-        """An `nn.Linear`."""
-        return nn.Linear(in_features, out_features, bias=bias)
+        """An `nn.Linear` that may keep a quantized weight as stored (`StoredLinear`)."""
+        return StoredLinear(in_features, out_features, bias=bias)
 
     def projections(self, *layers: nn.Linear) -> Projections:
         """The layers one after another."""

@@ -26,12 +26,14 @@ same launches, so the collectives always meet, with zero rows where none are rou
 
 from __future__ import annotations
 
+from types import EllipsisType
 from typing import NamedTuple, Protocol
 
 import torch
 from torch import nn
 
 from npu_worker.models.kit import LayerKit
+from npu_worker.models.stored import StoredLinear
 
 EXPERT_TILE = 8  # rows per expert product where the products do not keep rows apart
 
@@ -159,6 +161,7 @@ class RoutedExperts:
 
     def __init__(self, experts: nn.ModuleDict, share: range, kit: LayerKit) -> None:
         self.experts, self.share, self.kit = experts, share, kit
+        self.tile: int | None | EllipsisType = ...  # `_tile`, once known
 
     def __call__(self, x: torch.Tensor, route: Routes, group: ExpertGroup) -> torch.Tensor:
         """The routed output [T, H] of tokens `x` [T, H] (float32 sums, in `x`'s dtype)."""
@@ -181,6 +184,17 @@ class RoutedExperts:
             out += per_pair[:, slot]
         return out.to(x.dtype)
 
+    def _tile(self) -> int | None:
+        """Rows an expert's products take at a time (None: any number). An expert that keeps
+        a weight as stored computes with torch's products on the widened weight, which keep
+        rows apart only at one shape. Read on the first call, once the weights are in."""
+        if self.tile is ...:
+            stored = any(
+                isinstance(m, StoredLinear) and m.stored is not None for m in self.experts.modules()
+            )
+            self.tile = None if self.kit.rows_apart and not stored else EXPERT_TILE
+        return self.tile  # type: ignore[return-value]
+
     def _run(self, rows: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
         """This rank's experts over the rows it received ([size, share] counts: by source,
         then expert), each expert over its rows alone; outputs in the rows' order."""
@@ -188,7 +202,7 @@ class RoutedExperts:
         local = torch.arange(share, device=rows.device).repeat(size)
         which = local.repeat_interleave(received.reshape(-1))
         which, order = torch.sort(which, stable=True)
-        tile = None if self.kit.rows_apart else EXPERT_TILE
+        tile = self._tile()
         outputs = torch.empty_like(rows)
         start = 0
         for local_index, count in enumerate(received.sum(0).tolist()):

@@ -18,6 +18,7 @@ from npu_worker.models.kit import LayerKit
 from npu_worker.models.launch import LaunchModel
 from npu_worker.models.moe import expert_share
 from npu_worker.models.registry import family_of
+from npu_worker.models.stored import StoredLinear
 from npu_worker.weights.checkpoint import read_weights
 
 DTYPES = {
@@ -101,6 +102,16 @@ def load_model(
         if name is not None and (mtp or not name.startswith("mtp.")):
             state[name] = tensor
             stored_bytes += read.stored.get(key, 0)
+    for key, stored in read.quantized.items():
+        name = placement.name(key)
+        if name is None or (not mtp and name.startswith("mtp.")):
+            continue
+        stored_bytes += read.stored.get(key, 0)
+        layer = _stored_owner(model, name)
+        if layer is None:  # a weight used as a tensor, not a product's: widened here
+            state[name] = stored.dequantize()
+        else:
+            layer.keep_stored(stored)
     _load_state(model, placement.finish(state), config.tie_word_embeddings, path)
     model.place(device, dtype)
     kit.prepare()
@@ -138,6 +149,16 @@ def resident_bytes(model: torch.nn.Module) -> int:
             count(value)
             count(getattr(value, "packed", None))
     return sum(seen.values())
+
+
+def _stored_owner(model: torch.nn.Module, name: str) -> StoredLinear | None:
+    """The linear layer whose `weight` is `name`, where it can keep a stored weight."""
+    path, _, leaf = name.rpartition(".")
+    try:
+        layer = model.get_submodule(path)
+    except AttributeError:
+        return None
+    return layer if leaf == "weight" and isinstance(layer, StoredLinear) else None
 
 
 def _load_state(

@@ -24,10 +24,12 @@ from npu_worker.kernels.cpu.products import (
 )
 from npu_worker.models.kit import CacheAttention, Gated, Projections, RotaryAttention
 from npu_worker.models.layers import RMSNorm
+from npu_worker.models.stored import StoredLinear
 
 
-class PackedLinear(nn.Linear):
-    """An `nn.Linear` whose bfloat16 CPU weight `product` lays out once (`pack`)."""
+class PackedLinear(StoredLinear):
+    """An `nn.Linear` whose bfloat16 CPU weight `product` lays out once (`pack`); a weight
+    kept as the checkpoint stores it is never packed."""
 
     product: Product | None
     packed: torch.Tensor | None
@@ -39,6 +41,8 @@ class PackedLinear(nn.Linear):
 
     def packable(self) -> bool:
         """Whether its weight is one a product lays out: bfloat16, on the CPU."""
+        if self.stored is not None:
+            return False
         return self.weight.dtype == torch.bfloat16 and self.weight.device.type == "cpu"
 
     def pack(self, product: Product) -> None:
@@ -47,7 +51,7 @@ class PackedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.product is None or self.packed is None or x.dtype != torch.bfloat16:
-            return F.linear(x, self.weight, self.bias)
+            return super().forward(x)
         bias = None if self.bias is None else self.bias.detach()
         return self.product(x, self.packed, self.out_features, bias)
 

@@ -44,6 +44,7 @@ from npu_worker.models.moe import (
     Routes,
     routes,
 )
+from npu_worker.models.stored import StoredLinear
 
 
 class LatentAttention(nn.Module):
@@ -64,7 +65,8 @@ class LatentAttention(nn.Module):
         self.kv_a_layernorm = kit.rms_norm(config.kv_lora_rank, 1e-6)
         kv_b_out = heads * (config.qk_nope_head_dim + config.v_head_dim)
         # absorbed into the queries and the output: only its weight is read, never a product
-        self.kv_b_proj = nn.Linear(config.kv_lora_rank, kv_b_out, bias=False)
+        # (an FP8 weight stays stored and is widened at each read)
+        self.kv_b_proj = StoredLinear(config.kv_lora_rank, kv_b_out, bias=False)
         self.o_proj = kit.linear(heads * config.v_head_dim, hidden, bias=bias)
         self.attention = kit.cache_attention(1, config.softmax_scale)
 

@@ -25,6 +25,7 @@ from npu_worker.models.deepseek_v4.config import CSA, DeepseekV4Config
 from npu_worker.models.deepseek_v4.state import DeepseekV4State, Ring
 from npu_worker.models.kit import LayerKit
 from npu_worker.models.launch import LaunchInputs
+from npu_worker.models.stored import StoredLinear
 
 KEY_BLOCK = 32  # keys a block of the attention's sums holds (see `_attend`)
 
@@ -171,8 +172,9 @@ class Attention(nn.Module):
         self.wkv = kit.linear(hidden, c.head_dim)
         self.norm = kit.rms_norm(c.head_dim, eps, float32_weight=True)
         group_in = c.num_heads * c.head_dim // c.o_groups
-        # grouped: its weight is read per group (`forward`), never a product of its own
-        self.wo_a = nn.Linear(group_in, c.o_groups * c.o_lora_rank, bias=False)
+        # grouped: its weight is read per group (`forward`), never a product of its own; an
+        # FP8 weight stays stored and is widened at each read
+        self.wo_a = StoredLinear(group_in, c.o_groups * c.o_lora_rank, bias=False)
         self.wo_b = kit.linear(c.o_groups * c.o_lora_rank, hidden)
         self.attn_sink = nn.Parameter(torch.zeros(c.num_heads))
         if self.rate:

@@ -29,6 +29,7 @@ from npu_worker.models.moe import (
     Routes,
     routes,
 )
+from npu_worker.models.stored import StoredLinear
 
 
 def hyper_mix(
@@ -165,8 +166,9 @@ class Block(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        """What the block computes in: its linear weights' dtype (the streams stay float32)."""
-        return self.ffn.shared_experts.w2.weight.dtype
+        """What the block computes in: its linear layers' dtype (the streams stay float32)."""
+        down = self.ffn.shared_experts.w2
+        return down.dtype if isinstance(down, StoredLinear) else down.weight.dtype
 
     def forward(
         self,

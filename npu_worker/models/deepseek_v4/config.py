@@ -110,10 +110,10 @@ class DeepseekV4Config:
         layers = int(raw["num_hidden_layers"])
         quant = raw.get("quantization_config") or {}
         expert_dtype = raw.get("expert_dtype") or quant.get("expert_dtype")
-        if expert_dtype not in (None, "bf16", "bfloat16", "fp8"):
+        if expert_dtype not in (None, "bf16", "bfloat16", "fp8", "fp4"):
             raise UnsupportedModel(
                 f"{path}: routed experts stored as {expert_dtype!r} (expert_dtype) are not "
-                "supported; supported: bfloat16 experts, FP8 e4m3 block-quantized weights"
+                "supported; supported: bfloat16, FP8 e4m3 blocks and MXFP4 (fp4) experts"
             )
         if raw.get("hidden_act", "silu") != "silu":
             raise UnsupportedModel(f"{path}: hidden_act {raw['hidden_act']!r} (only 'silu')")

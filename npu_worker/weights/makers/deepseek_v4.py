@@ -40,6 +40,7 @@ from safetensors.torch import load_file, save_file
 
 from npu_worker.models.deepseek_v4.model import DeepseekV4CausalLM
 from npu_worker.models.launch import LaunchInputs
+from npu_worker.models.stored import FP4_VALUES, MX_BLOCK
 from npu_worker.runner import LaunchRunner
 from npu_worker.weights.loader import load_model
 from npu_worker.weights.makers.deepseek_v3 import fp8_blocks
@@ -118,10 +119,12 @@ def build(
     mlp_layers: tuple[str, ...] = MLP_LAYERS,
     release: bool = False,
     sizes: dict[str, Any] | None = None,
+    fp4_experts: bool = False,
 ) -> torch.nn.Module:
     """Write the checkpoint to `out` (with `release`, in DeepSeek's release layout, its
-    hash-routed layers first; `sizes`: config values over the tiny or bench sizes);
-    returns the `transformers` model (float32)."""
+    hash-routed layers first, and with `fp4_experts` its routed experts as MXFP4; `sizes`:
+    config values over the tiny or bench sizes); returns the `transformers` model
+    (float32)."""
     torch.manual_seed(seed)
     sizes = {**(BENCH_SIZE if bench_size else {}), **(sizes or {})}
     if release:
@@ -138,7 +141,7 @@ def build(
         fitted, held_out = fit_mtp(out, seed=seed, fit=fit)
         print(f"MTP draft accuracy: {fitted:.1%} on its fitting data, {held_out:.1%} held out")
     if release:
-        release_layout(out, out, fp8)
+        release_layout(out, out, fp8, fp4_experts)
     elif fp8:
         quantize_attention(out)
     return model
@@ -150,13 +153,14 @@ def attention_projections(state: dict[str, torch.Tensor]) -> list[str]:
     return [k for k in state if ".attn." in k and k.split(".")[-2].startswith("w")]
 
 
-def release_layout(src: Path, out: Path, fp8: bool = False) -> None:
+def release_layout(src: Path, out: Path, fp8: bool = False, fp4_experts: bool = False) -> None:
     """Write the checkpoint at `src` to `out` as DeepSeek releases V4: bare tensor names
     (`embed.`, `layers.`, `norm.`, `head.`, `hc_head_*`), a config in the release's terms
     (`compress_ratios` with the MTP block's trailing 0, `num_hash_layers`,
     `qk_rope_head_dim`, flat `rope_theta` / `compress_rope_theta` / `rope_scaling`) and,
     with `fp8`, the attention projections as float8 e4m3 with power-of-two block scales
-    beside them as `X.scale` (float8 e8m0, `scale_fmt: ue8m0`). The hash-routed layers
+    beside them as `X.scale` (float8 e8m0, `scale_fmt: ue8m0`); with `fp4_experts`, the
+    routed experts as MXFP4 (`mxfp4_blocks`, `expert_dtype: fp4`). The hash-routed layers
     must come first, as `num_hash_layers` counts them."""
     raw = json.loads((src / "config.json").read_text())
     kinds = raw.pop("layer_types")
@@ -183,6 +187,12 @@ def release_layout(src: Path, out: Path, fp8: bool = False) -> None:
         for name in attention_projections(state):
             weight, scale = fp8_blocks(state[name], power_of_two=True)
             state[name], state[name.removesuffix(".weight") + ".scale"] = weight, scale
+    if fp4_experts:
+        for name in [k for k in state if ".ffn.experts." in k and k.endswith(".weight")]:
+            weight, scale = mxfp4_blocks(state[name])
+            state[name], state[name.removesuffix(".weight") + ".scale"] = weight, scale
+        raw["expert_dtype"] = "fp4"
+    if fp8 or fp4_experts:
         raw["quantization_config"] = {
             "quant_method": "fp8",
             "fmt": "e4m3",
@@ -196,6 +206,27 @@ def release_layout(src: Path, out: Path, fp8: bool = False) -> None:
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(raw, indent=2))
     (out / "tokenizer.json").write_bytes(tokenizer)
+
+
+def mxfp4_blocks(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight [out, in] (in a multiple of 32) as MXFP4, as the OCP MX format makes it:
+    each 32 inputs share the power of two 2^(floor(log2 max |x|) - 2), and each value is
+    the nearest e2m1 value of x over it (ties to the lower magnitude, past 6 clamped).
+    Returns the e2m1 pairs (`float4_e2m1fn_x2`, the even input in the low nibble)
+    [out, in / 2] and the powers' UE8M0 bytes (`float8_e8m0fnu`) [out, in / 32]."""
+    rows, cols = tensor.shape
+    if cols % MX_BLOCK:
+        raise ValueError(f"MXFP4 needs inputs in multiples of {MX_BLOCK}, not {cols}")
+    blocks = tensor.float().view(rows, cols // MX_BLOCK, MX_BLOCK)
+    largest = blocks.abs().amax(dim=-1, keepdim=True).clamp(min=2.0**-125)
+    exponent = torch.floor(torch.log2(largest)) - 2  # e2m1's largest power of two is 2^2
+    scaled = blocks / torch.exp2(exponent)
+    table = torch.tensor(FP4_VALUES)
+    codes = (scaled.abs().clamp(max=6.0)[..., None] - table).abs().argmin(dim=-1)
+    nibbles = (codes | ((scaled < 0).long() << 3)).view(rows, cols).to(torch.uint8)
+    packed = nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)
+    scale = (exponent.squeeze(-1) + 127).to(torch.uint8)
+    return packed.view(torch.float4_e2m1fn_x2), scale.view(torch.float8_e8m0fnu)
 
 
 def release_name(key: str) -> str:
@@ -421,6 +452,9 @@ def main() -> None:
     parser.add_argument(
         "--release", action="store_true", help="DeepSeek's release layout (names, config, scales)"
     )
+    parser.add_argument(
+        "--fp4-experts", action="store_true", help="with --release: routed experts as MXFP4"
+    )
     fitting = parser.add_argument_group("MTP fitting (with --mtp; defaults: the tests' fit)")
     fitting.add_argument("--fit-sequences", type=int, default=FIT_SEQUENCES)
     fitting.add_argument("--fit-length", type=int, default=FIT_LENGTH, help="tokens a sequence")
@@ -438,7 +472,15 @@ def main() -> None:
         args.fit_lr,
     )
     build(
-        args.out, args.windows, args.mtp, args.seed, args.bench, args.fp8, fit, release=args.release
+        args.out,
+        args.windows,
+        args.mtp,
+        args.seed,
+        args.bench,
+        args.fp8,
+        fit,
+        release=args.release,
+        fp4_experts=args.fp4_experts,
     )
     print(args.out)
 

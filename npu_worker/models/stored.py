@@ -1,0 +1,211 @@
+"""Weights kept in the form the checkpoint stores them, and the linear layer that reads them
+(docs/architecture.md §8).
+
+Three stored forms, each resident as the checkpoint has it:
+
+- `Fp8Blocks`: float8 e4m3 [out, in] with a float32 scale per block of `block` (128 x 128
+  in DeepSeek's releases; scales written as float32 `weight_scale_inv` or as UE8M0 powers of
+  two, `X.scale`, both held as float32 here: one float per 16,384 weights).
+- `Mxfp4`: MXFP4 as DeepSeek-V4's release stores its routed experts: e2m1 values two a byte
+  [out, in / 2] (the even input in the low nibble, torch's `float4_e2m1fn_x2`), and a UE8M0
+  power of two per 32 inputs [out, in / 32].
+- `Int8Channels`: W8A8 as compressed-tensors writes it: int8 weights [out, in], a float
+  scale per output channel; activations are quantized per token to int8 at each call
+  (symmetric, scale = max |x| / 127, rounded half to even), the products summed exactly in
+  int32 (`torch._int_mm`), then scaled.
+
+A `StoredLinear` is an `nn.Linear` that may hold one of these in place of its float weight
+(`keep_stored`). FP8 and MXFP4 layers widen the weight to the input's dtype at each call,
+through float32 exactly as a dequantized copy of the checkpoint would be widened at load, so
+their outputs are a dequantized copy's; reading `.weight` gives that widened copy too (the
+few places that use a weight as a tensor: MLA's absorbed `kv_b_proj`, V4's grouped output
+projection). W8A8 layers compute in integers. Every form keeps a row's result apart from
+the others': the widened weight is the same for every call, and integer sums are exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # e2m1 magnitudes; bit 3 is the sign
+MX_BLOCK = 32  # inputs per MXFP4 scale
+
+
+def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
+    """UE8M0 exponents (float8 e8m0, or their bytes) as float32 powers of two, 2^(e - 127)
+    (255, the format's NaN, stays NaN)."""
+    bits = scale.view(torch.uint8) if scale.dtype != torch.uint8 else scale
+    return (bits.to(torch.int32) << 23).view(torch.float32).where(bits != 255, float("nan"))
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8Blocks:
+    """A float8 e4m3 weight [out, in] and its float32 block scales [ceil(out/b0), ceil(in/b1)]."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+    block: tuple[int, int]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return int(self.weight.shape[0]), int(self.weight.shape[1])
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"weight": self.weight, "scale": self.scale}
+
+    def with_tensors(self, tensors: dict[str, torch.Tensor]) -> Fp8Blocks:
+        return Fp8Blocks(tensors["weight"], tensors["scale"], self.block)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight in float32."""
+        rows, cols = self.shape
+        scales = self.scale.float().repeat_interleave(self.block[0], 0)[:rows]
+        scales = scales.repeat_interleave(self.block[1], 1)[:, :cols]
+        return self.weight.float() * scales
+
+
+@dataclass(frozen=True, slots=True)
+class Mxfp4:
+    """e2m1 pairs [out, in / 2] (uint8 bytes, the even input in the low nibble) and UE8M0
+    scales [out, in / 32] (uint8 bytes)."""
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return int(self.packed.shape[0]), int(self.packed.shape[1]) * 2
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"packed": self.packed, "scale": self.scale}
+
+    def with_tensors(self, tensors: dict[str, torch.Tensor]) -> Mxfp4:
+        return Mxfp4(tensors["packed"], tensors["scale"])
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight in float32: each value times its block's power of two."""
+        rows, cols = self.shape
+        table = torch.tensor(FP4_VALUES, device=self.packed.device)
+        table = torch.cat((table, -table))
+        nibbles = torch.stack((self.packed & 0xF, self.packed >> 4), dim=-1).view(rows, cols)
+        values = table[nibbles.long()]
+        scales = e8m0_to_float(self.scale).repeat_interleave(MX_BLOCK, 1)[:, :cols]
+        return values * scales
+
+
+@dataclass(frozen=True, slots=True)
+class Int8Channels:
+    """W8A8: int8 weights [out, in] and a float32 scale per output [out]."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return int(self.weight.shape[0]), int(self.weight.shape[1])
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"weight": self.weight, "scale": self.scale}
+
+    def with_tensors(self, tensors: dict[str, torch.Tensor]) -> Int8Channels:
+        return Int8Channels(tensors["weight"], tensors["scale"])
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight in float32 (for the few uses of a weight as a tensor)."""
+        return self.weight.float() * self.scale.float()[:, None]
+
+
+StoredWeight = Fp8Blocks | Mxfp4 | Int8Channels
+
+
+def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of `x` [N, in] as int8 with a float32 scale each: symmetric, scale max |x| / 127
+    (1 for a row of zeros), values rounded half to even."""
+    wide = x.float()
+    scale = wide.abs().amax(dim=-1, keepdim=True) / 127.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return torch.round(wide / scale).clamp(-128, 127).to(torch.int8), scale
+
+
+def int8_linear(x: torch.Tensor, stored: Int8Channels) -> torch.Tensor:
+    """x [N, in] times a W8A8 weight: activations quantized per token, int32 sums, then
+    both scales; float32 [N, out]."""
+    q, scale = quantize_tokens(x)
+    if x.device.type == "cpu" or q.shape[0] > 16:
+        sums = torch._int_mm(q, stored.weight.t())
+    else:  # CUDA's int8 product takes more than 16 rows: the sums are exact either way
+        padded = q.new_zeros(17, q.shape[1])
+        padded[: q.shape[0]] = q
+        sums = torch._int_mm(padded, stored.weight.t())[: q.shape[0]]
+    return sums.float() * scale * stored.scale.float()
+
+
+class StoredLinear(nn.Linear):
+    """An `nn.Linear` that may keep its weight as the checkpoint stores it (`keep_stored`):
+    its float `weight` parameter is then gone, the stored tensors are its buffers (moved by
+    `.to(device)`, never converted by `.to(dtype)`), and `.weight` reads a widened copy."""
+
+    stored: StoredWeight | None = None
+    compute_dtype: torch.dtype = torch.float32
+
+    @property
+    def weight(self) -> torch.Tensor:  # type: ignore[override]
+        if self.stored is None:
+            weight = self._parameters.get("weight")
+            if weight is None:  # not yet made (nn.Linear's own init asks)
+                raise AttributeError("weight")
+            return weight
+        return self.stored.dequantize().to(self.compute_dtype)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """What it computes in: its float weight's dtype, or with a stored weight the dtype
+        the model was placed in."""
+        return self.weight.dtype if self.stored is None else self.compute_dtype
+
+    def keep_stored(self, stored: StoredWeight) -> None:
+        """Hold `stored` in place of the float weight (whose shape it must have)."""
+        if stored.shape != (self.out_features, self.in_features):
+            raise ValueError(
+                f"a stored weight of shape {stored.shape} for a linear layer of "
+                f"{(self.out_features, self.in_features)}"
+            )
+        self._parameters.pop("weight", None)
+        self.compute_dtype = torch.float32
+        for name, tensor in stored.tensors().items():
+            self.register_buffer(f"stored_{name}", tensor, persistent=False)
+        self.stored = stored
+
+    def _apply(self, fn: Any, recurse: bool = True) -> StoredLinear:
+        if self.stored is None:
+            return super()._apply(fn, recurse)  # type: ignore[no-any-return]
+        bias = self.bias
+        if bias is not None:  # a float like the model's: follows its dtype
+            self.bias = nn.Parameter(fn(bias.data), requires_grad=False)
+            self.compute_dtype = self.bias.dtype
+        else:
+            self.compute_dtype = fn(torch.zeros((), dtype=torch.float32)).dtype
+        moved = {}
+        for name, tensor in self.stored.tensors().items():
+            device = fn(tensor).device  # only the device: the stored dtypes stay
+            moved[name] = tensor.to(device)
+            self.register_buffer(f"stored_{name}", moved[name], persistent=False)
+        self.stored = self.stored.with_tensors(moved)
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        stored = self.stored
+        if stored is None:
+            return super().forward(x)
+        if isinstance(stored, Int8Channels):
+            rows = x.reshape(-1, x.shape[-1])
+            out = int8_linear(rows, stored)
+            if self.bias is not None:
+                out = out + self.bias.float()
+            return out.to(x.dtype).view(*x.shape[:-1], -1)
+        return F.linear(x, stored.dequantize().to(x.dtype), self.bias)

@@ -1,0 +1,280 @@
+"""Quantized checkpoints stay in memory as they are stored (docs/architecture.md §8): FP8 blocks
+(DeepSeek-V3's `weight_scale_inv` and V4's release `X.scale`), MXFP4 routed experts (V4's
+release) and W8A8 int8 (compressed-tensors). Each loads with its weights in their stored
+dtypes, resident bytes within 1.1x of the checkpoint's; FP8 and MXFP4 give the logits and
+tokens of a copy of the checkpoint dequantized to float32; MXFP4 dequantizes as the format
+defines it, decoded here value by value; W8A8 gives the tokens of a reference that quantizes
+activations the same way and sums in float64; a V4 release with FP4 experts serves through
+two expert-parallel ranks with each request's lone tokens; formats it cannot read fail at
+start naming what they are."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from npu_worker.models.config import UnsupportedModel
+from npu_worker.models.stored import Fp8Blocks, Int8Channels, Mxfp4, StoredLinear
+from npu_worker.runner import LaunchRunner
+from npu_worker.weights.checkpoint import read_weights
+from npu_worker.weights.loader import LoadedModel, load_model
+from npu_worker.weights.tiny import ensure_tiny_model
+from producer.client import Client
+from tests.conftest import StartPool
+from tests.helpers import TIE_TOLERANCE, check_stream, random_prompt
+from tests.reference import (
+    first_divergence,
+    generate_alone,
+    launch_shapes,
+    lone_runs,
+    prefill_logits,
+)
+
+v3 = pytest.importorskip("npu_worker.weights.makers.deepseek_v3")
+v4 = pytest.importorskip("npu_worker.weights.makers.deepseek_v4")
+w8a8 = pytest.importorskip("npu_worker.weights.makers.w8a8")
+
+MAX_MODEL_LEN = 512
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """One thread here: a pool's ranks hold the other cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """FP8 V3 (`weight_scale_inv`), V4's release with FP8 attention and MXFP4 experts, and
+    the tiny Llama as W8A8."""
+    root = tmp_path_factory.mktemp("stored")
+    made = {"v3-fp8": root / "v3-fp8", "v4-fp4": root / "v4-fp4", "w8a8": root / "w8a8"}
+    v3.build(made["v3-fp8"], q_lora=True, fp8=True)
+    v4.build(made["v4-fp4"], "small", release=True, fp8=True, fp4_experts=True)
+    w8a8.quantize(ensure_tiny_model(), made["w8a8"])
+    return made
+
+
+def dequantized_copy(path: Path, out: Path) -> Path:
+    """`path` with every quantized weight written as float32 (its stored form widened) and
+    no quantization config: what loading used to make of it."""
+    read = read_weights(path)
+    state = {**read, **{name: stored.dequantize() for name, stored in read.quantized.items()}}
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(path, out, ignore=shutil.ignore_patterns("*.safetensors*"))
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config.pop("quantization_config", None)
+    config.pop("expert_dtype", None)
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def stored_layers(loaded: LoadedModel) -> dict[str, StoredLinear]:
+    return {
+        name: module
+        for name, module in loaded.model.named_modules()
+        if isinstance(module, StoredLinear) and module.stored is not None
+    }
+
+
+def prompts_for(vocab_size: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [random_prompt(rng, n, vocab_size) for n in (7, 60, 150)]
+
+
+def first_logits(loaded: LoadedModel, prompt: list[int]) -> torch.Tensor:
+    runner = LaunchRunner(loaded.model, launch_shapes(1, MAX_MODEL_LEN, 128, 1))
+    chunk = runner.prefill_chunk
+    logits = torch.empty(0)
+    for start in range(0, len(prompt), chunk):
+        logits = prefill_logits(runner, 0, prompt[start : start + chunk], start)
+    return logits
+
+
+@pytest.mark.parametrize(
+    ("name", "form", "count"), [("v3-fp8", Fp8Blocks, 8), ("v4-fp4", Mxfp4, 16)]
+)
+def test_quantized_weights_stay_stored_and_give_the_tokens_of_their_dequantized_copy(
+    name: str, form: type, count: int, checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    path = checkpoints[name]
+    loaded = load_model(path, "float32", CPU, MAX_MODEL_LEN)
+    layers = stored_layers(loaded)
+    kinds = [type(layer.stored) for layer in layers.values()]
+    assert kinds.count(form) >= count, kinds
+    for layer in layers.values():
+        assert layer.stored is not None
+        assert all(
+            t.dtype in (torch.float8_e4m3fn, torch.uint8, torch.float32)
+            for t in layer.stored.tensors().values()
+        )
+        assert "weight" not in dict(layer.named_parameters())
+    assert loaded.weight_bytes <= 1.1 * loaded.checkpoint_bytes, (
+        loaded.weight_bytes,
+        loaded.checkpoint_bytes,
+    )
+    copy = dequantized_copy(path, tmp_path / "copy")
+    widened = load_model(copy, "float32", CPU, MAX_MODEL_LEN)
+    assert widened.weight_bytes > 2 * loaded.weight_bytes or name == "v3-fp8"
+    vocab = loaded.config.vocab_size
+    prompts = prompts_for(vocab, 35)
+    for prompt in prompts:  # the same weights, the same products: the same bits
+        assert torch.equal(first_logits(loaded, prompt), first_logits(widened, prompt))
+    stored_runs = lone_runs(path, "float32", prompts, 12, MAX_MODEL_LEN)
+    copy_runs = lone_runs(copy, "float32", prompts, 12, MAX_MODEL_LEN)
+    for got, want in zip(stored_runs, copy_runs, strict=True):
+        assert got.token_ids == want.token_ids
+    for got, want in zip(
+        lone_runs(path, "bfloat16", prompts, 12, MAX_MODEL_LEN),
+        lone_runs(copy, "bfloat16", prompts, 12, MAX_MODEL_LEN),
+        strict=True,
+    ):
+        assert first_divergence(got.token_ids, want, TIE_TOLERANCE) is None
+
+
+def test_mxfp4_weights_dequantize_as_the_format_defines_them(
+    checkpoints: dict[str, Path],
+) -> None:
+    """Each byte two e2m1 values (even input low), sign bit 3, exponent bits 1-2, mantissa
+    bit 0; each 32 inputs times 2^(scale byte - 127): decoded value by value here."""
+    stored = load_file(str(checkpoints["v4-fp4"] / "model.safetensors"))
+    experts = [k for k in stored if ".ffn.experts." in k and k.endswith(".weight")]
+    assert experts and all(stored[k].dtype == torch.float4_e2m1fn_x2 for k in experts)
+    name = experts[0]
+    packed = stored[name].view(torch.uint8)
+    scale = stored[name.removesuffix(".weight") + ".scale"]
+    assert scale.dtype == torch.float8_e8m0fnu
+    rows, cols = packed.shape[0], packed.shape[1] * 2
+    want = torch.empty(rows, cols)
+    scales = scale.view(torch.uint8).tolist()
+    for r, row in enumerate(packed.tolist()):
+        for c in range(cols):
+            nibble = (row[c // 2] >> (4 * (c % 2))) & 0xF
+            sign = -1.0 if nibble & 8 else 1.0
+            exponent, mantissa = (nibble >> 1) & 3, nibble & 1
+            magnitude = (
+                mantissa * 0.5 if exponent == 0 else (1 + mantissa / 2) * 2.0 ** (exponent - 1)
+            )
+            want[r, c] = sign * magnitude * 2.0 ** (scales[r][c // 32] - 127)
+    got = Mxfp4(packed, scale.view(torch.uint8)).dequantize()
+    assert torch.equal(got, want)
+    assert want.abs().max() > 0
+
+
+def w8a8_reference(loaded: LoadedModel) -> None:
+    """Every W8A8 layer of `loaded` computed another way: activations quantized per token
+    as the format says, the integer products summed in float64, then scaled."""
+
+    def forward(layer: StoredLinear, x: torch.Tensor) -> torch.Tensor:
+        stored = layer.stored
+        assert isinstance(stored, Int8Channels)
+        rows = x.reshape(-1, x.shape[-1]).float()
+        scale = rows.abs().amax(dim=-1, keepdim=True) / 127.0
+        scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+        q = torch.round(rows / scale).clamp(-128, 127)
+        sums = (q.double() @ stored.weight.double().t()).float()
+        out = sums * scale * stored.scale.float()
+        return out.to(x.dtype).view(*x.shape[:-1], -1)
+
+    for layer in stored_layers(loaded).values():
+        layer.forward = forward.__get__(layer)  # type: ignore[method-assign]
+
+
+def test_w8a8_weights_stay_int8_and_give_the_tokens_of_a_float64_reference(
+    checkpoints: dict[str, Path],
+) -> None:
+    path = checkpoints["w8a8"]
+    loaded = load_model(path, "float32", CPU, MAX_MODEL_LEN)
+    layers = stored_layers(loaded)
+    assert len(layers) >= 4 and all(isinstance(x.stored, Int8Channels) for x in layers.values())
+    assert all(x.stored.weight.dtype == torch.int8 for x in layers.values())  # type: ignore[union-attr]
+    stored = load_file(str(path / "model.safetensors"))
+    for name, layer in layers.items():  # each weight resident as its int8 and scales, no more
+        held = sum(t.numel() * t.element_size() for t in layer.stored.tensors().values())  # type: ignore[union-attr]
+        kept = [stored[f"{name}.weight"], stored[f"{name}.weight_scale"]]
+        assert held == sum(t.numel() * t.element_size() for t in kept), name
+    # the model in bfloat16 (its floats' checkpoint dtype here is float32, its rotary tables a
+    # large part of so small a model): within 1.1x of the checkpoint
+    in_bf16 = load_model(path, "bfloat16", CPU, MAX_MODEL_LEN)
+    assert in_bf16.weight_bytes <= 1.1 * in_bf16.checkpoint_bytes
+    reference = load_model(path, "float32", CPU, MAX_MODEL_LEN)
+    w8a8_reference(reference)
+    prompts = prompts_for(loaded.config.vocab_size, 36)
+    shapes = launch_shapes(1, MAX_MODEL_LEN, 128, 1)
+    for model in (loaded, reference):
+        model.model.eval()
+    got = [
+        generate_alone(LaunchRunner(loaded.model, shapes), p, 12, set(), MAX_MODEL_LEN)
+        for p in prompts
+    ]
+    want = [
+        generate_alone(LaunchRunner(reference.model, shapes), p, 12, set(), MAX_MODEL_LEN)
+        for p in prompts
+    ]
+    for a, b in zip(got, want, strict=True):
+        assert first_divergence(a.token_ids, b, TIE_TOLERANCE) is None
+    # and the quantization is real: the float weights give other logits
+    float_copy = load_model(ensure_tiny_model(), "float32", CPU, MAX_MODEL_LEN)
+    assert not torch.equal(first_logits(loaded, prompts[1]), first_logits(float_copy, prompts[1]))
+
+
+def test_a_v4_release_with_fp4_experts_serves_on_two_expert_parallel_ranks(
+    checkpoints: dict[str, Path], start_pool: StartPool, client: Client
+) -> None:
+    path = checkpoints["v4-fp4"]
+    start_pool(
+        model=str(path),
+        ranks=2,
+        expert_parallel=True,
+        decode_batch=8,
+        kv_slots_per_rank=8,
+        max_model_len=MAX_MODEL_LEN,
+    )
+    rng = random.Random(37)
+    prompts = [random_prompt(rng, n, v4.VOCAB_SIZE) for n in (5, 40, 140, 9, 70, 200)]
+    ids = [client.submit(prompt_token_ids=p, max_tokens=10, ignore_eos=True) for p in prompts]
+    references = lone_runs(path, "float32", prompts, 10, MAX_MODEL_LEN)
+    for request_id, reference in zip(ids, references, strict=True):
+        tokens = check_stream(list(client.stream(request_id, timeout_s=240)))
+        assert first_divergence(tokens, reference, TIE_TOLERANCE) is None, request_id
+
+
+def test_formats_it_cannot_read_fail_at_start_naming_them(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    fp4 = tmp_path / "fp4-bad-scales"
+    shutil.copytree(checkpoints["v4-fp4"], fp4)
+    state = load_file(str(fp4 / "model.safetensors"))
+    name = next(k for k in state if ".ffn.experts." in k and k.endswith(".scale"))
+    state[name] = state[name][:, :1].contiguous()  # one scale a row: not one per 32 inputs
+    save_file(state, str(fp4 / "model.safetensors"))
+    with pytest.raises(UnsupportedModel, match="weights? .*(scales|stored as)"):
+        load_model(fp4, "float32", CPU, MAX_MODEL_LEN)
+
+    int4 = tmp_path / "int4"
+    shutil.copytree(checkpoints["w8a8"], int4)
+    config = json.loads((int4 / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["weights"]["num_bits"] = 4
+    (int4 / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModel, match="num_bits': 4.*W8A8"):
+        load_model(int4, "float32", CPU, MAX_MODEL_LEN)
+
+    unknown = tmp_path / "fp6"
+    shutil.copytree(checkpoints["v4-fp4"], unknown)
+    config = json.loads((unknown / "config.json").read_text())
+    config["expert_dtype"] = "fp6"
+    (unknown / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModel, match="experts stored as 'fp6'"):
+        load_model(unknown, "float32", CPU, MAX_MODEL_LEN)
