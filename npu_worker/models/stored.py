@@ -25,6 +25,9 @@ the others': the widened weight is the same for every call, and integer sums are
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +44,20 @@ def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
     (255, the format's NaN, stays NaN)."""
     bits = scale.view(torch.uint8) if scale.dtype != torch.uint8 else scale
     return (bits.to(torch.int32) << 23).view(torch.float32).where(bits != 255, float("nan"))
+
+
+_BYTE_VALUES: dict[torch.device, torch.Tensor] = {}
+
+
+def byte_values(device: torch.device) -> torch.Tensor:
+    """[256, 2] float32: the two e2m1 values of each byte, the low nibble's first."""
+    if device not in _BYTE_VALUES:
+        table = torch.tensor(FP4_VALUES)
+        table = torch.cat((table, -table))
+        codes = torch.arange(256)
+        pairs = torch.stack((table[codes & 0xF], table[codes >> 4]), dim=-1)
+        _BYTE_VALUES[device] = pairs.to(device)
+    return _BYTE_VALUES[device]
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,14 +105,15 @@ class Mxfp4:
         return Mxfp4(tensors["packed"], tensors["scale"])
 
     def dequantize(self) -> torch.Tensor:
-        """The weight in float32: each value times its block's power of two."""
+        """The weight in float32: each value times its block's power of two (a byte's two
+        values looked up at once, the scales broadcast over their 32 inputs)."""
         rows, cols = self.shape
-        table = torch.tensor(FP4_VALUES, device=self.packed.device)
-        table = torch.cat((table, -table))
-        nibbles = torch.stack((self.packed & 0xF, self.packed >> 4), dim=-1).view(rows, cols)
-        values = table[nibbles.long()]
+        values = F.embedding(self.packed.to(torch.int32), byte_values(self.packed.device))
+        blocks = values.view(rows, -1, MX_BLOCK) if cols % MX_BLOCK == 0 else None
+        if blocks is not None:
+            return (blocks * e8m0_to_float(self.scale)[..., None]).view(rows, cols)
         scales = e8m0_to_float(self.scale).repeat_interleave(MX_BLOCK, 1)[:, :cols]
-        return values * scales
+        return values.view(rows, cols) * scales
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +163,21 @@ def int8_linear(x: torch.Tensor, stored: Int8Channels) -> torch.Tensor:
     return sums.float() * scale * stored.scale.float()
 
 
+_FROM_CHECKPOINT = ContextVar("from_checkpoint", default=False)
+
+
+@contextmanager
+def weights_from_checkpoint() -> Iterator[None]:
+    """Build linear layers whose weights a checkpoint will fill: their float weights are
+    allocated and never written (no random init), so a weight the checkpoint keeps as
+    stored never occupies memory as floats (untouched pages are never mapped)."""
+    token = _FROM_CHECKPOINT.set(True)
+    try:
+        yield
+    finally:
+        _FROM_CHECKPOINT.reset(token)
+
+
 class StoredLinear(nn.Linear):
     """An `nn.Linear` that may keep its weight as the checkpoint stores it (`keep_stored`):
     its float `weight` parameter is then gone, the stored tensors are its buffers (moved by
@@ -161,6 +194,10 @@ class StoredLinear(nn.Linear):
                 raise AttributeError("weight")
             return weight
         return self.stored.dequantize().to(self.compute_dtype)
+
+    def reset_parameters(self) -> None:
+        if not _FROM_CHECKPOINT.get():
+            super().reset_parameters()
 
     @property
     def dtype(self) -> torch.dtype:

@@ -18,7 +18,7 @@ from npu_worker.models.kit import LayerKit
 from npu_worker.models.launch import LaunchModel
 from npu_worker.models.moe import expert_share
 from npu_worker.models.registry import family_of
-from npu_worker.models.stored import StoredLinear
+from npu_worker.models.stored import StoredLinear, weights_from_checkpoint
 from npu_worker.weights.checkpoint import read_weights
 
 DTYPES = {
@@ -92,7 +92,8 @@ def load_model(
     if dtype == torch.float16 and device.type == "cpu":
         dtype = torch.bfloat16
     kit = kit or kit_for(device)
-    model = family.build(config, max_kv_len, mtp, share, kit)
+    with weights_from_checkpoint():  # every linear weight comes from the checkpoint
+        model = family.build(config, max_kv_len, mtp, share, kit)
     placement = family.placement(config, share, mtp)
     state = {}
     read = read_weights(path, placement.keep)
