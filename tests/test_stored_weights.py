@@ -20,6 +20,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from npu_worker.kernels import kit_for
+from npu_worker.kernels.cpu.layers import KernelPacked, PackedLinear
+from npu_worker.kernels.cpu.products import KernelProduct
 from npu_worker.models.config import UnsupportedModel
 from npu_worker.models.stored import Fp8Blocks, Int8Channels, Mxfp4, StoredLinear
 from npu_worker.runner import LaunchRunner
@@ -249,6 +252,33 @@ def test_a_v4_release_with_fp4_experts_serves_on_two_expert_parallel_ranks(
     for request_id, reference in zip(ids, references, strict=True):
         tokens = check_stream(list(client.stream(request_id, timeout_s=240)))
         assert first_divergence(tokens, reference, TIE_TOLERANCE) is None, request_id
+
+
+def test_a_head_packed_for_the_kernels_product_is_held_once(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    """An untied head packed for the kernels' product lets go of its plain weight (reading
+    `.weight` unpacks it, bit for bit); a tied one keeps it, since the embedding uses it."""
+    path = checkpoints["v4-fp4"]
+    loaded = load_model(path, "bfloat16", CPU, MAX_MODEL_LEN, kit=kit_for(CPU))
+    head = loaded.model.get_submodule("head")
+    assert isinstance(head, PackedLinear)
+    if not isinstance(head.product, KernelProduct):
+        pytest.skip("oneDNN's product packs bfloat16 here: its layout is its own")
+    assert isinstance(head.stored, KernelPacked)
+    assert "weight" not in dict(head.named_parameters())
+    assert torch.equal(head.weight, read_weights(path)["head.weight"].bfloat16())
+
+    tied = tmp_path / "tied"
+    shutil.copytree(ensure_tiny_model(), tied)
+    state = load_file(str(tied / "model.safetensors"))
+    del state["lm_head.weight"]
+    save_file(state, str(tied / "model.safetensors"))
+    config = json.loads((tied / "config.json").read_text())
+    (tied / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": True}))
+    model = load_model(tied, "bfloat16", CPU, MAX_MODEL_LEN, kit=kit_for(CPU)).model
+    assert model.get_submodule("lm_head").stored is None
+    assert model.get_submodule("lm_head").weight is model.input_embeddings().weight
 
 
 def test_formats_it_cannot_read_fail_at_start_naming_them(

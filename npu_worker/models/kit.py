@@ -121,8 +121,10 @@ class LayerKit(Kit, Protocol):
         """Attention over the cache for queries and keys already rotated."""
         ...
 
-    def prepare(self) -> None:
-        """Lay out the layers this kit made once their weights are loaded and placed."""
+    def prepare(self, shared: frozenset[int] = frozenset()) -> None:
+        """Lay out the layers this kit made once their weights are loaded and placed;
+        `shared`: the storages (data pointers) that more than one parameter uses (a tied
+        head's), whose plain tensors must stay."""
         ...
 
     @property
@@ -161,7 +163,7 @@ class TorchKit:
         """Cache writes and masked attention in torch."""
         return CacheAttention(num_kv_heads, scale)
 
-    def prepare(self) -> None:
+    def prepare(self, shared: frozenset[int] = frozenset()) -> None:
         """Nothing to lay out."""
 
     rows_apart = False  # torch's products pick their kernels by the number of rows

@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -138,7 +138,26 @@ class Int8Channels:
         return self.weight.float() * self.scale.float()[:, None]
 
 
-StoredWeight = Fp8Blocks | Mxfp4 | Int8Channels
+class StoredWeight(Protocol):
+    """A weight held in some form other than its float tensor: the three above, or a layout
+    a kit made for its own product (kernels/cpu/layers.py)."""
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """[out, in] of the weight it holds."""
+        ...
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """What it holds, by name (the layer's buffers)."""
+        ...
+
+    def with_tensors(self, tensors: dict[str, torch.Tensor]) -> StoredWeight:
+        """The same form over `tensors` (moved)."""
+        ...
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight [out, in] in float32."""
+        ...
 
 
 def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

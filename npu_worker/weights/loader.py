@@ -115,7 +115,7 @@ def load_model(
             layer.keep_stored(stored)
     _load_state(model, placement.finish(state), config.tie_word_embeddings, path)
     model.place(device, dtype)
-    kit.prepare()
+    kit.prepare(shared_storages(model))
     return LoadedModel(
         path,
         config,
@@ -127,6 +127,15 @@ def load_model(
         stored_bytes,
         resident_bytes(model),
     )
+
+
+def shared_storages(model: torch.nn.Module) -> frozenset[int]:
+    """Data pointers of the storages more than one parameter uses (a tied head's)."""
+    seen: dict[int, int] = {}
+    for _, param in model.named_parameters(remove_duplicate=False):
+        pointer = param.untyped_storage().data_ptr()
+        seen[pointer] = seen.get(pointer, 0) + 1
+    return frozenset(pointer for pointer, uses in seen.items() if uses > 1)
 
 
 def resident_bytes(model: torch.nn.Module) -> int:

@@ -9,6 +9,8 @@ depends on nothing but that row. Where a launch's tensors are not what a fast pa
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,6 +27,32 @@ from npu_worker.kernels.cpu.products import (
 from npu_worker.models.kit import CacheAttention, Gated, Projections, RotaryAttention
 from npu_worker.models.layers import RMSNorm
 from npu_worker.models.stored import StoredLinear
+
+
+@dataclass(frozen=True, slots=True)
+class KernelPacked:
+    """A bfloat16 weight [out, in] held only in the kernels' packed layout (matmul.c: blocks
+    of 16 outputs by pairs of inputs), once its plain tensor is let go."""
+
+    packed: torch.Tensor
+    outputs: int
+    inputs: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.outputs, self.inputs
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"packed": self.packed}
+
+    def with_tensors(self, tensors: dict[str, torch.Tensor]) -> KernelPacked:
+        return KernelPacked(tensors["packed"], self.outputs, self.inputs)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight laid out plainly again, in float32."""
+        blocks, pairs = -(-self.outputs // 16), -(-self.inputs // 2)
+        plain = self.packed.view(blocks, pairs, 16, 2).permute(0, 2, 1, 3)
+        return plain.reshape(blocks * 16, pairs * 2)[: self.outputs, : self.inputs].float()
 
 
 class PackedLinear(StoredLinear):
@@ -48,6 +76,13 @@ class PackedLinear(StoredLinear):
     def pack(self, product: Product) -> None:
         """Lay the weight out for `product` (the plain weight stays, for every other use)."""
         self.product, self.packed = product, product.pack(self.weight)
+
+    def let_go_of_plain(self) -> None:
+        """Keep the weight only as the kernels' packed layout (a weight no other parameter
+        shares): reading `.weight`, or a call in another dtype, unpacks it."""
+        if isinstance(self.product, KernelProduct) and self.packed is not None:
+            self.keep_stored(KernelPacked(self.packed, self.out_features, self.in_features))
+            self.compute_dtype = torch.bfloat16
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.product is None or self.packed is None or x.dtype != torch.bfloat16:
@@ -221,9 +256,11 @@ class CpuKit:
             return CacheAttention(num_kv_heads, scale)
         return KernelCacheAttention(num_kv_heads, scale, self.library)
 
-    def prepare(self) -> None:
+    def prepare(self, shared: frozenset[int] = frozenset()) -> None:
         """Pack every bfloat16 weight once: groups as one weight where they can be, then
-        every other linear layer on its own. Nothing where no product is there."""
+        every other linear layer on its own. Nothing where no product is there. A layer
+        packed on its own for the kernels' product then lets go of its plain weight unless
+        another parameter shares it (`shared`: a tied head's), so it is held once."""
         linears = [layer for layer in self.linears if layer.packable()]
         if not self.packed_linears or not linears:
             return
@@ -240,4 +277,6 @@ class CpuKit:
         for layer in linears:
             if id(layer) not in grouped:
                 layer.pack(product)
+                if layer.weight.untyped_storage().data_ptr() not in shared:
+                    layer.let_go_of_plain()
         self.product = product

@@ -274,7 +274,7 @@ class DeepseekV3CausalLM(LaunchModel[KVCache], ExpertModel):
     def new_state(self, num_slots: int, max_kv_len: int) -> KVCache:
         """The latent cache: one [slots, 1, positions + 1, kv_lora_rank + qk_rope_head_dim]
         buffer per layer (and the MTP block's), values a view of its first channels."""
-        weight = self.lm_head.weight
+        weight = self.input_embeddings().weight  # the model's dtype and device
         layers = self.config.num_layers + (1 if self.mtp is not None else 0)
         c = self.config
         return KVCache(

@@ -117,7 +117,7 @@ class DeepseekV4CausalLM(LaunchModel[DeepseekV4State], ExpertModel):
 
     def new_state(self, num_slots: int, max_kv_len: int) -> DeepseekV4State:
         """Every slot's window rings, compressed entries and compressor rings."""
-        weight = self.head.weight
+        weight = self.input_embeddings().weight  # the model's dtype and device
         return DeepseekV4State(
             self.config, num_slots, max_kv_len, weight.dtype, weight.device, self.mtp is not None
         )

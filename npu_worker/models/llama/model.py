@@ -144,7 +144,7 @@ class CausalLM(LaunchModel[KVCache]):
 
     def new_state(self, num_slots: int, max_kv_len: int) -> KVCache:
         """K/V for every layer (and the MTP block's), on the weights' device and dtype."""
-        weight = self.lm_head.weight
+        weight = self.input_embeddings().weight  # the model's dtype and device
         layers = self.config.num_layers + (1 if self.mtp is not None else 0)
         config = self.config
         return KVCache(
