@@ -248,7 +248,7 @@ class StoredLinear(nn.Linear):
             self.compute_dtype = fn(torch.zeros((), dtype=torch.float32)).dtype
         moved = {}
         for name, tensor in self.stored.tensors().items():
-            device = fn(tensor).device  # only the device: the stored dtypes stay
+            device = fn(tensor.new_empty(0)).device  # only the device: the dtypes stay
             moved[name] = tensor.to(device)
             self.register_buffer(f"stored_{name}", moved[name], persistent=False)
         self.stored = self.stored.with_tensors(moved)
