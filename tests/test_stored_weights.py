@@ -264,7 +264,7 @@ def test_a_head_packed_for_the_kernels_product_is_held_once(
     head = loaded.model.get_submodule("head")
     assert isinstance(head, PackedLinear)
     if not isinstance(head.product, KernelProduct):
-        pytest.skip("oneDNN's product packs bfloat16 here: its layout is its own")
+        pytest.skip("the kernels' product does not pack bfloat16 here")
     assert isinstance(head.stored, KernelPacked)
     assert "weight" not in dict(head.named_parameters())
     assert torch.equal(head.weight, read_weights(path)["head.weight"].bfloat16())
