@@ -185,14 +185,14 @@ class RoutedExperts:
         return out.to(x.dtype)
 
     def _tile(self) -> int | None:
-        """Rows an expert's products take at a time (None: any number). An expert that keeps
-        a weight as stored computes with torch's products on the widened weight, which keep
-        rows apart only at one shape. Read on the first call, once the weights are in."""
+        """Rows an expert's products take at a time (None: any number). An expert whose
+        weights are widened at each call computes with torch's products, which keep rows
+        apart only at one shape. Read on the first call, once the weights are in."""
         if self.tile is ...:
-            stored = any(
-                isinstance(m, StoredLinear) and m.stored is not None for m in self.experts.modules()
+            widened = any(
+                isinstance(m, StoredLinear) and m.widens_per_call for m in self.experts.modules()
             )
-            self.tile = None if self.kit.rows_apart and not stored else EXPERT_TILE
+            self.tile = None if self.kit.rows_apart and not widened else EXPERT_TILE
         return self.tile  # type: ignore[return-value]
 
     def _run(self, rows: torch.Tensor, received: torch.Tensor) -> torch.Tensor:

@@ -219,6 +219,12 @@ class StoredLinear(nn.Linear):
             super().reset_parameters()
 
     @property
+    def widens_per_call(self) -> bool:
+        """Whether its product is torch's over a weight widened at each call (FP8, MXFP4):
+        such a product keeps rows apart only at one shape."""
+        return isinstance(self.stored, (Fp8Blocks, Mxfp4))
+
+    @property
     def dtype(self) -> torch.dtype:
         """What it computes in: its float weight's dtype, or with a stored weight the dtype
         the model was placed in."""
