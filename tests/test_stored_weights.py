@@ -21,7 +21,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from npu_worker.kernels import kit_for
-from npu_worker.kernels.cpu.layers import KernelPacked, PackedLinear
+from npu_worker.kernels.cpu.layers import KernelMxfp4, KernelPacked, PackedLinear
+from npu_worker.kernels.cpu.library import load_cpu_kernels
 from npu_worker.kernels.cpu.products import KernelProduct
 from npu_worker.models.config import UnsupportedModel
 from npu_worker.models.stored import Fp8Blocks, Int8Channels, Mxfp4, StoredLinear
@@ -252,6 +253,30 @@ def test_a_v4_release_with_fp4_experts_serves_on_two_expert_parallel_ranks(
     for request_id, reference in zip(ids, references, strict=True):
         tokens = check_stream(list(client.stream(request_id, timeout_s=240)))
         assert first_divergence(tokens, reference, TIE_TOLERANCE) is None, request_id
+
+
+def test_the_kernels_mxfp4_product_gives_the_bits_of_the_bfloat16_product_dequantized() -> None:
+    """MXFP4 bytes read as stored, widened in registers: the same bits as the kernels'
+    bfloat16 product over the dequantized weight, at every row count (so a row alone and
+    the same row among others agree), with a bias and with outputs past a block's end."""
+    library = load_cpu_kernels()
+    if library is None or not library.has_mxfp4:
+        pytest.skip("the kernels' MXFP4 product needs AVX2 with FMA, or AVX-512")
+    generator = torch.Generator().manual_seed(38)
+    for outputs, inputs in ((16, 64), (40, 96), (33, 128)):
+        packed = torch.randint(0, 256, (outputs, inputs // 2), generator=generator)
+        scales = torch.randint(118, 132, (outputs, inputs // 32), generator=generator)
+        stored = Mxfp4(packed.to(torch.uint8), scales.to(torch.uint8))
+        kernel = KernelMxfp4.of(stored)
+        assert torch.equal(kernel.as_stored().packed, stored.packed)
+        assert torch.equal(kernel.as_stored().scale, stored.scale)
+        plain = library.pack_linear(stored.dequantize().bfloat16())
+        bias = torch.randn(outputs, generator=generator)
+        x = torch.randn(37, inputs, generator=generator).bfloat16()
+        for rows in (1, 3, 4, 5, 9, 37):
+            want = library.linear(x[:rows], plain, outputs, bias)
+            got = library.linear_mxfp4(x[:rows], kernel.packed, kernel.scales, outputs, bias)
+            assert torch.equal(got, want), (outputs, inputs, rows)
 
 
 def test_a_head_packed_for_the_kernels_product_is_held_once(

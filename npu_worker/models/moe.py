@@ -161,7 +161,7 @@ class RoutedExperts:
 
     def __init__(self, experts: nn.ModuleDict, share: range, kit: LayerKit) -> None:
         self.experts, self.share, self.kit = experts, share, kit
-        self.tile: int | None | EllipsisType = ...  # `_tile`, once known
+        self.tile: int | None | EllipsisType = ...  # `rows_per_call`, once known
 
     def __call__(self, x: torch.Tensor, route: Routes, group: ExpertGroup) -> torch.Tensor:
         """The routed output [T, H] of tokens `x` [T, H] (float32 sums, in `x`'s dtype)."""
@@ -184,15 +184,18 @@ class RoutedExperts:
             out += per_pair[:, slot]
         return out.to(x.dtype)
 
-    def _tile(self) -> int | None:
-        """Rows an expert's products take at a time (None: any number). An expert whose
-        weights are widened at each call computes with torch's products, which keep rows
-        apart only at one shape. Read on the first call, once the weights are in."""
+    def rows_per_call(self) -> int | None:
+        """Rows an expert's products take at a time (None: any number, where every layer of
+        every expert keeps rows apart at any count: `StoredLinear.keeps_rows_apart`; a
+        weight widened at each call goes through torch's products, which keep rows apart
+        only at one shape). Read on the first call, once the weights are in."""
         if self.tile is ...:
-            widened = any(
-                isinstance(m, StoredLinear) and m.widens_per_call for m in self.experts.modules()
+            apart = all(
+                m.keeps_rows_apart(self.kit.rows_apart)
+                for m in self.experts.modules()
+                if isinstance(m, StoredLinear)
             )
-            self.tile = None if self.kit.rows_apart and not widened else EXPERT_TILE
+            self.tile = None if apart else EXPERT_TILE
         return self.tile  # type: ignore[return-value]
 
     def _run(self, rows: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
@@ -202,7 +205,7 @@ class RoutedExperts:
         local = torch.arange(share, device=rows.device).repeat(size)
         which = local.repeat_interleave(received.reshape(-1))
         which, order = torch.sort(which, stable=True)
-        tile = self._tile()
+        tile = self.rows_per_call()
         outputs = torch.empty_like(rows)
         start = 0
         for local_index, count in enumerate(received.sum(0).tolist()):

@@ -224,6 +224,11 @@ class StoredLinear(nn.Linear):
         such a product keeps rows apart only at one shape."""
         return isinstance(self.stored, (Fp8Blocks, Mxfp4))
 
+    def keeps_rows_apart(self, kit_rows_apart: bool) -> bool:
+        """Whether a row's result depends on that row alone at every row count, in a model
+        whose kit's products do so where `kit_rows_apart`."""
+        return kit_rows_apart and not self.widens_per_call
+
     @property
     def dtype(self) -> torch.dtype:
         """What it computes in: its float weight's dtype, or with a stored weight the dtype

@@ -26,7 +26,7 @@ from npu_worker.kernels.cpu.products import (
 )
 from npu_worker.models.kit import CacheAttention, Gated, Projections, RotaryAttention
 from npu_worker.models.layers import RMSNorm
-from npu_worker.models.stored import StoredLinear
+from npu_worker.models.stored import MX_BLOCK, Mxfp4, StoredLinear
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,12 +55,55 @@ class KernelPacked:
         return plain.reshape(blocks * 16, pairs * 2)[: self.outputs, : self.inputs].float()
 
 
+@dataclass(frozen=True, slots=True)
+class KernelMxfp4:
+    """An MXFP4 weight [out, in] in the kernels' layout (matmul.c, `linear_mxfp4`): its
+    bytes by blocks of 16 outputs, `packed` [blocks, in / 2, 16] and `scales` [blocks,
+    in / 32, 16], padded with zeros past the last output; the same bytes as stored."""
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+    outputs: int
+
+    @classmethod
+    def of(cls, stored: Mxfp4) -> KernelMxfp4:
+        outputs, inputs = stored.shape
+        blocks = -(-outputs // 16)
+        pad = blocks * 16 - outputs
+        packed = F.pad(stored.packed, (0, 0, 0, pad)).view(blocks, 16, inputs // 2)
+        scales = F.pad(stored.scale, (0, 0, 0, pad)).view(blocks, 16, -(-inputs // MX_BLOCK))
+        return cls(
+            packed.transpose(1, 2).contiguous(), scales.transpose(1, 2).contiguous(), outputs
+        )
+
+    def as_stored(self) -> Mxfp4:
+        """The checkpoint's layout again."""
+        blocks, pairs, _ = self.packed.shape
+        packed = self.packed.transpose(1, 2).reshape(blocks * 16, pairs)[: self.outputs]
+        scales = self.scales.transpose(1, 2).reshape(blocks * 16, -1)[: self.outputs]
+        return Mxfp4(packed, scales)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.outputs, int(self.packed.shape[1]) * 2
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"packed": self.packed, "scales": self.scales}
+
+    def with_tensors(self, tensors: dict[str, torch.Tensor]) -> KernelMxfp4:
+        return KernelMxfp4(tensors["packed"], tensors["scales"], self.outputs)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.as_stored().dequantize()
+
+
 class PackedLinear(StoredLinear):
     """An `nn.Linear` whose bfloat16 CPU weight `product` lays out once (`pack`); a weight
     kept as the checkpoint stores it is never packed."""
 
     product: Product | None
     packed: torch.Tensor | None
+    fp4_library: CpuKernels  # with a `KernelMxfp4` weight: the library that reads it
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__(in_features, out_features, bias=bias)
@@ -77,6 +120,19 @@ class PackedLinear(StoredLinear):
         """Lay the weight out for `product` (the plain weight stays, for every other use)."""
         self.product, self.packed = product, product.pack(self.weight)
 
+    def keeps_rows_apart(self, kit_rows_apart: bool) -> bool:
+        """The kernels' MXFP4 product keeps rows apart whatever the kit's other products."""
+        return isinstance(self.stored, KernelMxfp4) or super().keeps_rows_apart(kit_rows_apart)
+
+    def read_mxfp4(self, library: CpuKernels) -> None:
+        """Lay a stored MXFP4 weight out for the kernels' MXFP4 product, which then reads it
+        (bfloat16 inputs) with the bits of the bfloat16 product over its dequantized copy,
+        whatever the number of rows."""
+        if isinstance(self.stored, Mxfp4) and library.has_mxfp4 and self.in_features % 32 == 0:
+            self.keep_stored(KernelMxfp4.of(self.stored))
+            self.compute_dtype = torch.bfloat16
+            self.fp4_library = library
+
     def let_go_of_plain(self) -> None:
         """Keep the weight only as the kernels' packed layout (a weight no other parameter
         shares): reading `.weight`, or a call in another dtype, unpacks it."""
@@ -85,6 +141,12 @@ class PackedLinear(StoredLinear):
             self.compute_dtype = torch.bfloat16
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        stored = self.stored
+        if isinstance(stored, KernelMxfp4) and x.dtype == torch.bfloat16:
+            bias = None if self.bias is None else self.bias.detach()
+            return self.fp4_library.linear_mxfp4(
+                x, stored.packed, stored.scales, self.out_features, bias
+            )
         if self.product is None or self.packed is None or x.dtype != torch.bfloat16:
             return super().forward(x)
         bias = None if self.bias is None else self.bias.detach()
@@ -261,6 +323,10 @@ class CpuKit:
         every other linear layer on its own. Nothing where no product is there. A layer
         packed on its own for the kernels' product then lets go of its plain weight unless
         another parameter shares it (`shared`: a tied head's), so it is held once."""
+        if self.library is not None and self.packed_linears:
+            for layer in self.linears:
+                if layer.dtype == torch.bfloat16 and layer.stored is not None:
+                    layer.read_mxfp4(self.library)
         linears = [layer for layer in self.linears if layer.packable()]
         if not self.packed_linears or not linears:
             return

@@ -90,6 +90,12 @@ class CpuKernels:
         self.product.argtypes += [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
         self.product.argtypes += [ctypes.c_int64, ctypes.c_int]
         self.product.restype = ctypes.c_int
+        self.fp4_product = library.linear_mxfp4
+        self.fp4_product.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int64]
+        self.fp4_product.argtypes += [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 2
+        self.fp4_product.argtypes += [ctypes.c_int64, ctypes.c_int]
+        self.fp4_product.restype = ctypes.c_int
+        self.has_mxfp4 = bool(library.mxfp4_available())
 
     def pack_linear(self, weight: torch.Tensor) -> torch.Tensor:
         """A bfloat16 weight [outputs, inputs] laid out for `linear` (blocks of 16 outputs
@@ -126,6 +132,41 @@ class CpuKernels:
         )
         if failed:
             raise RuntimeError(f"linear_bf16 failed ({failed}): no AVX-512, or out of memory")
+        return out.view(*x.shape[:-1], outputs)
+
+    def linear_mxfp4(
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        scales: torch.Tensor,
+        outputs: int,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """x [..., inputs] bfloat16 times an MXFP4 weight in the kernels' layout (`packed`
+        [blocks, inputs / 2, 16] and `scales` [blocks, inputs / 32, 16] bytes), plus the bias
+        (float32 sums, rounded to bfloat16 once): the bits of `linear` over the dequantized
+        weight (matmul.c)."""
+        inputs = x.shape[-1]
+        rows = x.reshape(-1, inputs)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        out = torch.empty(rows.shape[0], outputs, dtype=torch.bfloat16)
+        added = None if bias is None else bias.detach().float().contiguous()
+        failed = self.fp4_product(
+            rows.data_ptr(),
+            rows.shape[0],
+            inputs,
+            rows.stride(0),
+            packed.data_ptr(),
+            scales.data_ptr(),
+            outputs,
+            None if added is None else added.data_ptr(),
+            out.data_ptr(),
+            outputs,
+            torch.get_num_threads(),
+        )
+        if failed:
+            raise RuntimeError(f"linear_mxfp4 failed ({failed})")
         return out.view(*x.shape[:-1], outputs)
 
     def rope_store(

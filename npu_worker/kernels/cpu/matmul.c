@@ -20,6 +20,7 @@
 #define BLOCK 16   /* outputs a vector */
 #define COLUMNS 3  /* vectors of outputs a pass: 48 outputs */
 #define ROWS 8     /* rows a pass: ROWS x COLUMNS sums held in registers */
+#define ROWS2 4    /* rows a pass of the 8-lane paths: 4 x 2 vectors of sums */
 
 /* the packed size, in uint16, of an [outputs, inputs] weight */
 int64_t packed_linear_size(int outputs, int inputs) {
@@ -118,12 +119,7 @@ static void tile_rows(const float *x, int64_t x_stride, const uint16_t *w, int p
 }
 #endif
 
-#ifdef HAVE_AVX2
-/* The AVX-512 path's arithmetic 8 lanes at a time: a block's 16 outputs are two vectors, and
-   each output's sum takes input 2p, then 2p+1, by the same float32 multiply-adds, so every
-   output gets the AVX-512 path's bits. 4 rows x 2 vectors of sums fit AVX2's 16 registers. */
-#define ROWS2 4
-
+#if defined(HAVE_AVX512) || defined(HAVE_AVX2)
 /* float32 to bfloat16 as narrow16 does, for 16 outputs in two vectors, into out */
 static inline void narrow16x2(__m256 lo, __m256 hi, uint16_t *out, int left) {
     __m256i r[2];
@@ -146,6 +142,12 @@ static inline void narrow16x2(__m256 lo, __m256 hi, uint16_t *out, int left) {
         memcpy(out, lanes, (size_t)left * sizeof(uint16_t));
     }
 }
+#endif
+
+#ifdef HAVE_AVX2
+/* The AVX-512 path's arithmetic 8 lanes at a time: a block's 16 outputs are two vectors, and
+   each output's sum takes input 2p, then 2p+1, by the same float32 multiply-adds, so every
+   output gets the AVX-512 path's bits. 4 rows x 2 vectors of sums fit AVX2's 16 registers. */
 
 static inline __attribute__((always_inline)) void tile2(const float *x, int64_t x_stride,
                                                         const uint16_t *w, int pairs, int b,
@@ -250,6 +252,113 @@ int linear_bf16(const uint16_t *x, int rows, int inputs, int64_t x_stride, const
 #else
     (void)x; (void)rows; (void)inputs; (void)x_stride; (void)w; (void)outputs; (void)bias;
     (void)out; (void)out_stride; (void)threads;
+    return 1;
+#endif
+}
+
+/* MXFP4 weights read as stored (DeepSeek-V4's routed experts): e2m1 values two a byte, the
+   even input in the low nibble, and a UE8M0 power of two per 32 inputs. Laid out (by the
+   caller) in blocks of 16 outputs: block b, pair p holds 16 bytes, output k's inputs 2p and
+   2p+1; block b, group g holds the 16 outputs' scale bytes for inputs 32g..32g+31. Each
+   value is widened in registers (a table of the 8 magnitudes, the sign bit, times its power
+   of two: exact, and exactly the bfloat16 a dequantized copy holds), then summed as
+   `linear_bf16` sums (input 2p, then 2p + 1, one chain a sum from zero), so the outputs
+   have the bits of `linear_bf16` over the dequantized weight, at every row count. */
+#if defined(HAVE_AVX512) || defined(HAVE_AVX2)
+static inline __m256 fp4_widened(__m128i nibbles, __m256 table, __m256 scale) {
+    __m256i index = _mm256_cvtepu8_epi32(nibbles); /* the low 8 bytes */
+    __m256 magnitude = _mm256_permutevar8x32_ps(table, index); /* the low 3 bits */
+    __m256i sign = _mm256_slli_epi32(_mm256_srli_epi32(index, 3), 31);
+    return _mm256_mul_ps(_mm256_or_ps(magnitude, _mm256_castsi256_ps(sign)), scale);
+}
+
+static inline __m256 e8m0_widened(__m128i bytes) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu8_epi32(bytes), 23));
+}
+
+static inline __attribute__((always_inline)) void fp4_tile(const float *x, int64_t x_stride,
+                                                           const uint8_t *w, const uint8_t *s,
+                                                           int pairs, int b, const float *bias,
+                                                           uint16_t *out, int64_t out_stride,
+                                                           int outputs, const int R) {
+    __m256 acc[ROWS2][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const __m256 table = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
+    const __m128i low = _mm_set1_epi8(0x0f);
+    __m256 scale0 = _mm256_setzero_ps(), scale1 = _mm256_setzero_ps();
+    for (int p = 0; p < pairs; p++) {
+        if (p % 16 == 0) {
+            __m128i bytes = _mm_loadu_si128((const __m128i *)(s + (int64_t)(p / 16) * BLOCK));
+            scale0 = e8m0_widened(bytes);
+            scale1 = e8m0_widened(_mm_srli_si128(bytes, 8));
+        }
+        __m128i raw = _mm_loadu_si128((const __m128i *)(w + (int64_t)p * BLOCK));
+        __m128i evens = _mm_and_si128(raw, low), odds = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
+        __m256 even0 = fp4_widened(evens, table, scale0);
+        __m256 even1 = fp4_widened(_mm_srli_si128(evens, 8), table, scale1);
+        __m256 odd0 = fp4_widened(odds, table, scale0);
+        __m256 odd1 = fp4_widened(_mm_srli_si128(odds, 8), table, scale1);
+        for (int r = 0; r < R; r++) {
+            __m256 x0 = _mm256_set1_ps(x[r * x_stride + 2 * p]);
+            __m256 x1 = _mm256_set1_ps(x[r * x_stride + 2 * p + 1]);
+            acc[r][0] = _mm256_fmadd_ps(x0, even0, acc[r][0]);
+            acc[r][0] = _mm256_fmadd_ps(x1, odd0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(x0, even1, acc[r][1]);
+            acc[r][1] = _mm256_fmadd_ps(x1, odd1, acc[r][1]);
+        }
+    }
+    int o = b * BLOCK, left = outputs - o;
+    float add[BLOCK] = {0};
+    if (bias)
+        for (int k = 0; k < BLOCK && k < left; k++) add[k] = bias[o + k];
+    __m256 add0 = _mm256_loadu_ps(add), add1 = _mm256_loadu_ps(add + 8);
+    for (int r = 0; r < R; r++)
+        narrow16x2(_mm256_add_ps(acc[r][0], add0), _mm256_add_ps(acc[r][1], add1),
+                   out + r * out_stride + o, left);
+}
+#endif
+
+/* 1 where this build has the MXFP4 product (AVX2 with FMA, or AVX-512) */
+int mxfp4_available(void) {
+#if defined(HAVE_AVX512) || defined(HAVE_AVX2)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* out [rows, outputs] = x [rows, inputs] (bfloat16) times an MXFP4 weight laid out as
+   above (`w`: blocks x inputs/2 x 16 bytes, `s`: blocks x inputs/32 x 16), plus the bias
+   (float32), rounded to bfloat16 once. Nonzero: no such product in this build (1), memory
+   ran out (2), inputs not a multiple of 32 (3). */
+int linear_mxfp4(const uint16_t *x, int rows, int inputs, int64_t x_stride, const uint8_t *w,
+                 const uint8_t *s, int outputs, const float *bias, uint16_t *out,
+                 int64_t out_stride, int threads) {
+#if defined(HAVE_AVX512) || defined(HAVE_AVX2)
+    if (inputs % 32) return 3;
+    int pairs = inputs / 2, groups = inputs / 32, blocks = (outputs + BLOCK - 1) / BLOCK;
+    float *wide = malloc((size_t)rows * inputs * sizeof(float));
+    if (!wide) return 2;
+    widen_rows(x, rows, inputs, x_stride, wide, inputs);
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int b = 0; b < blocks; b++) {
+        const uint8_t *wb = w + (int64_t)b * pairs * BLOCK, *sb = s + (int64_t)b * groups * BLOCK;
+        for (int r0 = 0; r0 < rows; r0 += ROWS2) {
+            const float *xr = wide + (int64_t)r0 * inputs;
+            uint16_t *outr = out + (int64_t)r0 * out_stride;
+            switch (rows - r0 < ROWS2 ? rows - r0 : ROWS2) {
+                case 1: fp4_tile(xr, inputs, wb, sb, pairs, b, bias, outr, out_stride, outputs, 1); break;
+                case 2: fp4_tile(xr, inputs, wb, sb, pairs, b, bias, outr, out_stride, outputs, 2); break;
+                case 3: fp4_tile(xr, inputs, wb, sb, pairs, b, bias, outr, out_stride, outputs, 3); break;
+                default: fp4_tile(xr, inputs, wb, sb, pairs, b, bias, outr, out_stride, outputs, 4); break;
+            }
+        }
+    }
+    free(wide);
+    return 0;
+#else
+    (void)x; (void)rows; (void)inputs; (void)x_stride; (void)w; (void)s; (void)outputs;
+    (void)bias; (void)out; (void)out_stride; (void)threads;
     return 1;
 #endif
 }
