@@ -120,6 +120,7 @@ def test_quantized_weights_stay_stored_and_give_the_tokens_of_their_dequantized_
     assert kinds.count(form) >= count, kinds
     for layer in layers.values():
         assert layer.stored is not None
+        assert set(dict(layer.named_buffers())) == {f"stored_{k}" for k in layer.stored.tensors()}
         assert all(
             t.dtype in (torch.float8_e4m3fn, torch.uint8, torch.float32)
             for t in layer.stored.tensors().values()
@@ -129,6 +130,11 @@ def test_quantized_weights_stay_stored_and_give_the_tokens_of_their_dequantized_
         loaded.weight_bytes,
         loaded.checkpoint_bytes,
     )
+    in_bf16 = load_model(path, "bfloat16", CPU, MAX_MODEL_LEN)  # laid out for the CPU's kit
+    for layer in stored_layers(in_bf16).values():  # holding one form's tensors, no more
+        assert layer.stored is not None
+        held = {f"stored_{k}" for k in layer.stored.tensors()}
+        assert set(dict(layer.named_buffers())) == held
     copy = dequantized_copy(path, tmp_path / "copy")
     widened = load_model(copy, "float32", CPU, MAX_MODEL_LEN)
     assert widened.weight_bytes > 2 * loaded.weight_bytes or name == "v3-fp8"

@@ -243,6 +243,9 @@ class StoredLinear(nn.Linear):
                 f"{(self.out_features, self.in_features)}"
             )
         self._parameters.pop("weight", None)
+        if self.stored is not None:  # a form that replaces another lets go of its tensors
+            for name in self.stored.tensors():
+                self._buffers.pop(f"stored_{name}", None)
         self.compute_dtype = torch.float32
         for name, tensor in stored.tensors().items():
             self.register_buffer(f"stored_{name}", tensor, persistent=False)
