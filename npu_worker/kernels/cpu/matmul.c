@@ -142,6 +142,19 @@ static inline void narrow16x2(__m256 lo, __m256 hi, uint16_t *out, int left) {
         memcpy(out, lanes, (size_t)left * sizeof(uint16_t));
     }
 }
+
+/* R rows of sums for block b's 16 outputs, plus the bias, rounded to bfloat16 into out */
+static inline void store_rows(__m256 acc[][2], int R, int b, const float *bias, uint16_t *out,
+                              int64_t out_stride, int outputs) {
+    int o = b * BLOCK, left = outputs - o;
+    float add[BLOCK] = {0};
+    if (bias)
+        for (int k = 0; k < BLOCK && k < left; k++) add[k] = bias[o + k];
+    __m256 add0 = _mm256_loadu_ps(add), add1 = _mm256_loadu_ps(add + 8);
+    for (int r = 0; r < R; r++)
+        narrow16x2(_mm256_add_ps(acc[r][0], add0), _mm256_add_ps(acc[r][1], add1),
+                   out + r * out_stride + o, left);
+}
 #endif
 
 #ifdef HAVE_AVX2
@@ -175,14 +188,7 @@ static inline __attribute__((always_inline)) void tile2(const float *x, int64_t 
             acc[r][1] = _mm256_fmadd_ps(x1, odd1, acc[r][1]);
         }
     }
-    int o = b * BLOCK, left = outputs - o;
-    float add[BLOCK] = {0};
-    if (bias)
-        for (int k = 0; k < BLOCK && k < left; k++) add[k] = bias[o + k];
-    __m256 add0 = _mm256_loadu_ps(add), add1 = _mm256_loadu_ps(add + 8);
-    for (int r = 0; r < R; r++)
-        narrow16x2(_mm256_add_ps(acc[r][0], add0), _mm256_add_ps(acc[r][1], add1),
-                   out + r * out_stride + o, left);
+    store_rows(acc, R, b, bias, out, out_stride, outputs);
 }
 
 static void tile2_rows(const float *x, int64_t x_stride, const uint16_t *w, int pairs, int b,
@@ -307,14 +313,7 @@ static inline __attribute__((always_inline)) void fp4_tile(const float *x, int64
             acc[r][1] = _mm256_fmadd_ps(x1, odd1, acc[r][1]);
         }
     }
-    int o = b * BLOCK, left = outputs - o;
-    float add[BLOCK] = {0};
-    if (bias)
-        for (int k = 0; k < BLOCK && k < left; k++) add[k] = bias[o + k];
-    __m256 add0 = _mm256_loadu_ps(add), add1 = _mm256_loadu_ps(add + 8);
-    for (int r = 0; r < R; r++)
-        narrow16x2(_mm256_add_ps(acc[r][0], add0), _mm256_add_ps(acc[r][1], add1),
-                   out + r * out_stride + o, left);
+    store_rows(acc, R, b, bias, out, out_stride, outputs);
 }
 #endif
 
