@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from npu_worker.kernels import kit_for
-from npu_worker.kernels.cpu.layers import KernelMxfp4, KernelPacked, PackedLinear
+from npu_worker.kernels.cpu.layers import KernelFp8, KernelMxfp4, KernelPacked, PackedLinear
 from npu_worker.kernels.cpu.library import load_cpu_kernels
 from npu_worker.kernels.cpu.products import KernelProduct
 from npu_worker.models.config import UnsupportedModel
@@ -283,6 +283,39 @@ def test_the_kernels_mxfp4_product_gives_the_bits_of_the_bfloat16_product_dequan
             want = library.linear(x[:rows], plain, outputs, bias)
             got = library.linear_mxfp4(x[:rows], kernel.packed, kernel.scales, outputs, bias)
             assert torch.equal(got, want), (outputs, inputs, rows)
+
+
+def test_the_kernels_fp8_product_gives_the_bits_of_the_bfloat16_product_dequantized() -> None:
+    """e4m3 bytes read as stored (every byte value, NaN and subnormals included), widened
+    once a call: the bits of the kernels' bfloat16 product over the dequantized weight
+    rounded to bfloat16, at every row count, for square and narrow scale blocks, odd
+    inputs and outputs past a block's end."""
+    library = load_cpu_kernels()
+    if library is None or not library.has_fp8:
+        pytest.skip("the kernels' FP8 product needs AVX2 with FMA and F16C, or AVX-512")
+    generator = torch.Generator().manual_seed(39)
+    cases = (((16, 64), (16, 16)), ((40, 300), (128, 128)), ((300, 257), (32, 64)))
+    for (outputs, inputs), block in cases:
+        codes = torch.randint(0, 256, (outputs, inputs), generator=generator).to(torch.uint8)
+        codes[(codes & 0x7F) == 0x7F] -= 1  # NaN only in the first output's weights
+        codes[0, : min(inputs, 256)] = torch.arange(min(inputs, 256), dtype=torch.uint8)
+        grid = (-(-outputs // block[0]), -(-inputs // block[1]))
+        scale = torch.rand(grid, generator=generator) * 1e-2 + 1e-3
+        stored = Fp8Blocks(codes.view(torch.float8_e4m3fn), scale, block)
+        kernel = KernelFp8.of(stored)
+        assert torch.equal(kernel.as_stored().weight.view(torch.uint8), codes)
+        assert torch.equal(kernel.as_stored().scale, scale)
+        plain = library.pack_linear(stored.dequantize().bfloat16())
+        bias = torch.randn(outputs, generator=generator)
+        x = torch.randn(37, inputs, generator=generator).bfloat16()
+        for rows in (1, 3, 4, 5, 9, 37):
+            want = library.linear(x[:rows], plain, outputs, bias)
+            got = library.linear_fp8(
+                x[:rows], kernel.packed, kernel.scales, block[1], outputs, bias
+            )
+            assert torch.equal(got.isnan(), want.isnan()), (outputs, inputs, rows)
+            assert got[:, 1:].isfinite().all()
+            assert torch.equal(got.nan_to_num(), want.nan_to_num()), (outputs, inputs, rows)
 
 
 def test_a_head_packed_for_the_kernels_product_is_held_once(

@@ -97,7 +97,7 @@ class CacheAttention:
 class LayerKit(Kit, Protocol):
     """The layers a backend supplies to the models it runs."""
 
-    def linear(self, in_features: int, out_features: int, bias: bool = False) -> nn.Linear:
+    def linear(self, in_features: int, out_features: int, bias: bool = False) -> StoredLinear:
         """A linear layer (its parameters named `weight` and `bias`)."""
         ...
 
@@ -139,7 +139,7 @@ class TorchKit:
 
     name = ""
 
-    def linear(self, in_features: int, out_features: int, bias: bool = False) -> nn.Linear:
+    def linear(self, in_features: int, out_features: int, bias: bool = False) -> StoredLinear:
         """An `nn.Linear` that may keep a quantized weight as stored (`StoredLinear`)."""
         return StoredLinear(in_features, out_features, bias=bias)
 

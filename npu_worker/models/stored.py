@@ -18,9 +18,11 @@ A `StoredLinear` is an `nn.Linear` that may hold one of these in place of its fl
 (`keep_stored`). FP8 and MXFP4 layers widen the weight to the input's dtype at each call,
 through float32 exactly as a dequantized copy of the checkpoint would be widened at load, so
 their outputs are a dequantized copy's; reading `.weight` gives that widened copy too (the
-few places that use a weight as a tensor: MLA's absorbed `kv_b_proj`, V4's grouped output
-projection). W8A8 layers compute in integers. Every form keeps a row's result apart from
-the others': the widened weight is the same for every call, and integer sums are exact.
+few places that use a weight as a tensor: MLA's absorbed `kv_b_proj`, and V4's grouped
+output projection where no kit's product reads its slices, `grouped`). The CPU kit reads
+FP8 and MXFP4 through the kernels' own products instead (kernels/cpu/layers.py). W8A8
+layers compute in integers. Every form keeps a row's result apart from the others': the
+widened weight is the same for every call, and integer sums are exact.
 """
 
 from __future__ import annotations
@@ -267,6 +269,12 @@ class StoredLinear(nn.Linear):
             self.register_buffer(f"stored_{name}", moved[name], persistent=False)
         self.stored = self.stored.with_tensors(moved)
         return self
+
+    def grouped(self, x: torch.Tensor) -> torch.Tensor:
+        """A grouped product (DeepSeek-V4's `wo_a`): x [..., G, in] with group g times the
+        g-th of G equal slices of the weight's outputs; [..., G, out / G]."""
+        weight = self.weight.view(x.shape[-2], -1, self.in_features)
+        return torch.einsum("...gi,goi->...go", x, weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         stored = self.stored

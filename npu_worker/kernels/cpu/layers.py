@@ -26,7 +26,7 @@ from npu_worker.kernels.cpu.products import (
 )
 from npu_worker.models.kit import CacheAttention, Gated, Projections, RotaryAttention
 from npu_worker.models.layers import RMSNorm
-from npu_worker.models.stored import MX_BLOCK, Mxfp4, StoredLinear
+from npu_worker.models.stored import MX_BLOCK, Fp8Blocks, Mxfp4, StoredLinear
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,13 +97,66 @@ class KernelMxfp4:
         return self.as_stored().dequantize()
 
 
+@dataclass(frozen=True, slots=True)
+class KernelFp8:
+    """An FP8 weight [out, in] in the kernels' layout (matmul.c, `linear_fp8`): its e4m3
+    bytes laid out as the bfloat16 product's packed weight, `packed` [blocks, in / 2, 16, 2]
+    (zeros past the edges), and `scales` [blocks, ceil(in / group)] float32, the scale of
+    each block of 16 outputs by `group` inputs (the checkpoint's scales, one row per 16
+    outputs: an eighth of a byte a weight at 128 x 128)."""
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+    outputs: int
+    inputs: int
+    block: tuple[int, int]
+
+    @staticmethod
+    def fits(stored: Fp8Blocks) -> bool:
+        """Whether its scale blocks are whole blocks of 16 outputs and pairs of inputs."""
+        return stored.block[0] % 16 == 0 and stored.block[1] % 2 == 0
+
+    @classmethod
+    def of(cls, stored: Fp8Blocks) -> KernelFp8:
+        outputs, inputs = stored.shape
+        blocks, pairs = -(-outputs // 16), -(-inputs // 2)
+        padded = F.pad(
+            stored.weight.view(torch.uint8), (0, pairs * 2 - inputs, 0, blocks * 16 - outputs)
+        )
+        packed = padded.view(blocks, 16, pairs, 2).permute(0, 2, 1, 3).contiguous()
+        rows = torch.arange(blocks) * 16 // stored.block[0]
+        return cls(packed, stored.scale.float()[rows].contiguous(), outputs, inputs, stored.block)
+
+    def as_stored(self) -> Fp8Blocks:
+        """The checkpoint's layout again."""
+        blocks, pairs = self.packed.shape[:2]
+        plain = self.packed.permute(0, 2, 1, 3).reshape(blocks * 16, pairs * 2)
+        weight = plain[: self.outputs, : self.inputs].contiguous().view(torch.float8_e4m3fn)
+        return Fp8Blocks(weight, self.scales[:: self.block[0] // 16].contiguous(), self.block)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.outputs, self.inputs
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"packed": self.packed, "scales": self.scales}
+
+    def with_tensors(self, tensors: dict[str, torch.Tensor]) -> KernelFp8:
+        return KernelFp8(
+            tensors["packed"], tensors["scales"], self.outputs, self.inputs, self.block
+        )
+
+    def dequantize(self) -> torch.Tensor:
+        return self.as_stored().dequantize()
+
+
 class PackedLinear(StoredLinear):
     """An `nn.Linear` whose bfloat16 CPU weight `product` lays out once (`pack`); a weight
     kept as the checkpoint stores it is never packed."""
 
     product: Product | None
     packed: torch.Tensor | None
-    fp4_library: CpuKernels  # with a `KernelMxfp4` weight: the library that reads it
+    stored_library: CpuKernels  # with a `KernelMxfp4` or `KernelFp8`: the library reading it
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__(in_features, out_features, bias=bias)
@@ -121,17 +174,25 @@ class PackedLinear(StoredLinear):
         self.product, self.packed = product, product.pack(self.weight)
 
     def keeps_rows_apart(self, kit_rows_apart: bool) -> bool:
-        """The kernels' MXFP4 product keeps rows apart whatever the kit's other products."""
-        return isinstance(self.stored, KernelMxfp4) or super().keeps_rows_apart(kit_rows_apart)
+        """The kernels' MXFP4 and FP8 products keep rows apart whatever the kit's other
+        products."""
+        return isinstance(self.stored, (KernelMxfp4, KernelFp8)) or super().keeps_rows_apart(
+            kit_rows_apart
+        )
 
-    def read_mxfp4(self, library: CpuKernels) -> None:
-        """Lay a stored MXFP4 weight out for the kernels' MXFP4 product, which then reads it
-        (bfloat16 inputs) with the bits of the bfloat16 product over its dequantized copy,
-        whatever the number of rows."""
-        if isinstance(self.stored, Mxfp4) and library.has_mxfp4 and self.in_features % 32 == 0:
-            self.keep_stored(KernelMxfp4.of(self.stored))
-            self.compute_dtype = torch.bfloat16
-            self.fp4_library = library
+    def read_stored(self, library: CpuKernels) -> None:
+        """Lay a stored MXFP4 or FP8 weight out for the kernels' product of its form, which
+        then reads it (bfloat16 inputs) with the bits of the bfloat16 product over its
+        dequantized copy, whatever the number of rows."""
+        stored = self.stored
+        if isinstance(stored, Mxfp4) and library.has_mxfp4 and self.in_features % 32 == 0:
+            self.keep_stored(KernelMxfp4.of(stored))
+        elif isinstance(stored, Fp8Blocks) and library.has_fp8 and KernelFp8.fits(stored):
+            self.keep_stored(KernelFp8.of(stored))
+        else:
+            return
+        self.compute_dtype = torch.bfloat16
+        self.stored_library = library
 
     def let_go_of_plain(self) -> None:
         """Keep the weight only as the kernels' packed layout (a weight no other parameter
@@ -140,12 +201,48 @@ class PackedLinear(StoredLinear):
             self.keep_stored(KernelPacked(self.packed, self.out_features, self.in_features))
             self.compute_dtype = torch.bfloat16
 
+    def grouped(self, x: torch.Tensor) -> torch.Tensor:
+        """Each group through the kernels' product over its slice of the weight's blocks of
+        16 outputs, where the weight is held in their layout (bfloat16 or FP8): a group's
+        rows then keep the product's bits, and an FP8 weight is never widened whole."""
+        stored, groups = self.stored, x.shape[-2]
+        size = self.out_features // groups
+        if (
+            x.dtype != torch.bfloat16
+            or size % 16
+            or not isinstance(stored, (KernelPacked, KernelFp8))
+        ):
+            return super().grouped(x)
+        outs, blocks = [], size // 16
+        for g in range(groups):
+            rows = slice(g * blocks, (g + 1) * blocks)
+            if isinstance(stored, KernelFp8):
+                out = self.stored_library.linear_fp8(
+                    x[..., g, :],
+                    stored.packed[rows],
+                    stored.scales[rows],
+                    stored.block[1],
+                    size,
+                    None,
+                )
+            else:
+                assert self.product is not None
+                weight = stored.packed.view(groups * blocks, -1)[rows]
+                out = self.product(x[..., g, :], weight, size, None)
+            outs.append(out)
+        return torch.stack(outs, dim=-2)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         stored = self.stored
         if isinstance(stored, KernelMxfp4) and x.dtype == torch.bfloat16:
             bias = None if self.bias is None else self.bias.detach()
-            return self.fp4_library.linear_mxfp4(
+            return self.stored_library.linear_mxfp4(
                 x, stored.packed, stored.scales, self.out_features, bias
+            )
+        if isinstance(stored, KernelFp8) and x.dtype == torch.bfloat16:
+            bias = None if self.bias is None else self.bias.detach()
+            return self.stored_library.linear_fp8(
+                x, stored.packed, stored.scales, stored.block[1], self.out_features, bias
             )
         if self.product is None or self.packed is None or x.dtype != torch.bfloat16:
             return super().forward(x)
@@ -282,7 +379,7 @@ class CpuKit:
         for a row follow one fixed order whatever the number of rows."""
         return isinstance(self.product, KernelProduct)
 
-    def linear(self, in_features: int, out_features: int, bias: bool = False) -> nn.Linear:
+    def linear(self, in_features: int, out_features: int, bias: bool = False) -> StoredLinear:
         """A `PackedLinear`."""
         layer = PackedLinear(in_features, out_features, bias)
         self.linears.append(layer)
@@ -326,7 +423,7 @@ class CpuKit:
         if self.library is not None and self.packed_linears:
             for layer in self.linears:
                 if layer.dtype == torch.bfloat16 and layer.stored is not None:
-                    layer.read_mxfp4(self.library)
+                    layer.read_stored(self.library)
         linears = [layer for layer in self.linears if layer.packable()]
         if not self.packed_linears or not linears:
             return

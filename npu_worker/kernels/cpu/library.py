@@ -96,6 +96,12 @@ class CpuKernels:
         self.fp4_product.argtypes += [ctypes.c_int64, ctypes.c_int]
         self.fp4_product.restype = ctypes.c_int
         self.has_mxfp4 = bool(library.mxfp4_available())
+        self.fp8_product = library.linear_fp8
+        self.fp8_product.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int64]
+        self.fp8_product.argtypes += [ctypes.c_void_p] * 2 + [ctypes.c_int] * 2
+        self.fp8_product.argtypes += [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int]
+        self.fp8_product.restype = ctypes.c_int
+        self.has_fp8 = bool(library.fp8_available())
 
     def pack_linear(self, weight: torch.Tensor) -> torch.Tensor:
         """A bfloat16 weight [outputs, inputs] laid out for `linear` (blocks of 16 outputs
@@ -167,6 +173,43 @@ class CpuKernels:
         )
         if failed:
             raise RuntimeError(f"linear_mxfp4 failed ({failed})")
+        return out.view(*x.shape[:-1], outputs)
+
+    def linear_fp8(
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        scales: torch.Tensor,
+        group: int,
+        outputs: int,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """x [..., inputs] bfloat16 times an FP8 weight in the kernels' layout (`packed`
+        [blocks, inputs / 2, 16, 2] e4m3 bytes, `scales` [blocks, ceil(inputs / group)]
+        float32), plus the bias (float32 sums, rounded to bfloat16 once): the bits of
+        `linear` over the dequantized weight rounded to bfloat16 (matmul.c)."""
+        inputs = x.shape[-1]
+        rows = x.reshape(-1, inputs)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        out = torch.empty(rows.shape[0], outputs, dtype=torch.bfloat16)
+        added = None if bias is None else bias.detach().float().contiguous()
+        failed = self.fp8_product(
+            rows.data_ptr(),
+            rows.shape[0],
+            inputs,
+            rows.stride(0),
+            packed.data_ptr(),
+            scales.data_ptr(),
+            group,
+            outputs,
+            None if added is None else added.data_ptr(),
+            out.data_ptr(),
+            outputs,
+            torch.get_num_threads(),
+        )
+        if failed:
+            raise RuntimeError(f"linear_fp8 failed ({failed})")
         return out.view(*x.shape[:-1], outputs)
 
     def rope_store(

@@ -60,7 +60,7 @@ static inline __m256i narrow16(__m512 x) {
    b0..b0+C, into out (bfloat16, `out_stride` a row), `outputs` wide in all. A pair's vector
    holds 16 outputs' weights for inputs 2p (low halves) and 2p+1 (high halves): a shift and a
    mask make them float32, and float32 multiply-adds (two ports, where `vdpbf16ps` has one)
-   add input 2p, then 2p+1, to each output's sum. */
+   add input 2p, then 2p+1, to each output's sum. `w` points at block b0. */
 static inline __attribute__((always_inline)) void tile(const float *x, int64_t x_stride,
                                                        const uint16_t *w, int pairs, int b0,
                                                        const float *bias, uint16_t *out,
@@ -70,7 +70,7 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t x
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
     const uint16_t *block[COLUMNS];
-    for (int c = 0; c < C; c++) block[c] = w + (int64_t)(b0 + c) * pairs * BLOCK * 2;
+    for (int c = 0; c < C; c++) block[c] = w + (int64_t)c * pairs * BLOCK * 2;
     const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
     for (int p = 0; p < pairs; p++) {
         __m512 even[COLUMNS], odd[COLUMNS];
@@ -102,6 +102,8 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t x
 #define TILE_ROWS(R, C) \
     tile(x + (int64_t)r0 * x_stride, x_stride, w, pairs, b0, bias, out + (int64_t)r0 * out_stride, \
          out_stride, outputs, R, C)
+
+/* rows r0..r0+rows (at most ROWS) of the C blocks from b0, `w` pointing at block b0 */
 
 static void tile_rows(const float *x, int64_t x_stride, const uint16_t *w, int pairs, int b0,
                       const float *bias, uint16_t *out, int64_t out_stride, int outputs,
@@ -160,7 +162,8 @@ static inline void store_rows(__m256 acc[][2], int R, int b, const float *bias, 
 #ifdef HAVE_AVX2
 /* The AVX-512 path's arithmetic 8 lanes at a time: a block's 16 outputs are two vectors, and
    each output's sum takes input 2p, then 2p+1, by the same float32 multiply-adds, so every
-   output gets the AVX-512 path's bits. 4 rows x 2 vectors of sums fit AVX2's 16 registers. */
+   output gets the AVX-512 path's bits. 4 rows x 2 vectors of sums fit AVX2's 16 registers.
+   `w` points at block b. */
 
 static inline __attribute__((always_inline)) void tile2(const float *x, int64_t x_stride,
                                                         const uint16_t *w, int pairs, int b,
@@ -169,10 +172,9 @@ static inline __attribute__((always_inline)) void tile2(const float *x, int64_t 
                                                         const int R) {
     __m256 acc[ROWS2][2];
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    const uint16_t *block = w + (int64_t)b * pairs * BLOCK * 2;
     const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
     for (int p = 0; p < pairs; p++) {
-        const uint16_t *pair = block + (int64_t)p * BLOCK * 2;
+        const uint16_t *pair = w + (int64_t)p * BLOCK * 2;
         __m256i v0 = _mm256_loadu_si256((const __m256i *)pair);
         __m256i v1 = _mm256_loadu_si256((const __m256i *)(pair + BLOCK));
         __m256 even0 = _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16));
@@ -237,7 +239,8 @@ int linear_bf16(const uint16_t *x, int rows, int inputs, int64_t x_stride, const
         int b0 = g * COLUMNS, C = blocks - b0 < COLUMNS ? blocks - b0 : COLUMNS;
         for (int r0 = 0; r0 < rows; r0 += ROWS) {
             int R = rows - r0 < ROWS ? rows - r0 : ROWS;
-            tile_rows(wide, width, w, pairs, b0, bias, out, out_stride, outputs, r0, R, C);
+            tile_rows(wide, width, w + (int64_t)b0 * pairs * BLOCK * 2, pairs, b0, bias, out,
+                      out_stride, outputs, r0, R, C);
         }
     }
     free(wide);
@@ -251,7 +254,8 @@ int linear_bf16(const uint16_t *x, int rows, int inputs, int64_t x_stride, const
     for (int b = 0; b < blocks; b++)
         for (int r0 = 0; r0 < rows; r0 += ROWS2) {
             int R = rows - r0 < ROWS2 ? rows - r0 : ROWS2;
-            tile2_rows(wide, width, w, pairs, b, bias, out, out_stride, outputs, r0, R);
+            tile2_rows(wide, width, w + (int64_t)b * pairs * BLOCK * 2, pairs, b, bias, out,
+                       out_stride, outputs, r0, R);
         }
     free(wide);
     return 0;
@@ -358,6 +362,116 @@ int linear_mxfp4(const uint16_t *x, int rows, int inputs, int64_t x_stride, cons
 #else
     (void)x; (void)rows; (void)inputs; (void)x_stride; (void)w; (void)s; (void)outputs;
     (void)bias; (void)out; (void)out_stride; (void)threads;
+    return 1;
+#endif
+}
+
+/* FP8 weights read as stored (DeepSeek's float8 e4m3 with a float32 scale per block of
+   inputs): laid out (by the caller) as `linear_bf16`'s packed weight is, a byte a value
+   (block b, pair p: 16 outputs' inputs 2p and 2p+1 side by side), and a scale per block of
+   16 outputs and `group` inputs. Each block of 16 outputs is widened once per call into a
+   buffer of `linear_bf16`'s layout, each value exactly as a dequantized copy holds it: e4m3
+   as a half float (F16C widens it exactly), times 256 times its scale (one rounding, that
+   of e4m3 x scale in float32), rounded to bfloat16; then the same tiles sum it. So the
+   outputs have the bits of `linear_bf16` over the dequantized weight, at every row count;
+   the widening is paid once per block, whatever the number of rows. */
+#if (defined(HAVE_AVX512) || defined(HAVE_AVX2)) && defined(__F16C__)
+#define HAVE_FP8 1
+#ifdef HAVE_AVX512
+#define FP8_COLUMNS COLUMNS
+#else
+#define FP8_COLUMNS 1
+#endif
+
+/* 16 e4m3 bytes times `scale` (the block's scale x 256), as bfloat16, into dst */
+static inline void fp8_widened16(const uint8_t *src, __m256 scale, uint16_t *dst) {
+    __m256i h = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)src));
+    __m256i magnitude = _mm256_and_si256(h, _mm256_set1_epi16(0x7f));
+    __m256i half = _mm256_or_si256(_mm256_slli_epi16(magnitude, 7),
+                                   _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x80)), 8));
+    /* e4m3's one NaN (all ones) as a half-float NaN */
+    __m256i nan = _mm256_cmpeq_epi16(magnitude, _mm256_set1_epi16(0x7f));
+    half = _mm256_or_si256(half, _mm256_and_si256(nan, _mm256_set1_epi16(0x7c00)));
+    __m256 lo = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(half)), scale);
+    __m256 hi = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(half, 1)), scale);
+    narrow16x2(lo, hi, dst, BLOCK);
+}
+
+/* blocks b0..b0+C of the FP8 weight, widened into dst in `linear_bf16`'s packed layout */
+static void fp8_blocks_widened(const uint8_t *w, const float *s, int pairs, int groups,
+                               int group, int b0, int C, uint16_t *dst) {
+    int per_group = group / 2; /* pairs a scale */
+    for (int c = 0; c < C; c++) {
+        int64_t offset = (int64_t)c * pairs * BLOCK * 2;
+        const uint8_t *wb = w + (int64_t)(b0 + c) * pairs * BLOCK * 2;
+        const float *sb = s + (int64_t)(b0 + c) * groups;
+        for (int g = 0, p = 0; g < groups; g++) {
+            __m256 scale = _mm256_set1_ps(sb[g] * 256.0f);
+            for (int end = p + per_group < pairs ? p + per_group : pairs; p < end; p++) {
+                fp8_widened16(wb + (int64_t)p * BLOCK * 2, scale, dst + offset + p * BLOCK * 2);
+                fp8_widened16(wb + (int64_t)p * BLOCK * 2 + BLOCK, scale,
+                              dst + offset + p * BLOCK * 2 + BLOCK);
+            }
+        }
+    }
+}
+#endif
+
+/* 1 where this build has the FP8 product (AVX2 with FMA and F16C, or AVX-512) */
+int fp8_available(void) {
+#ifdef HAVE_FP8
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* out [rows, outputs] = x [rows, inputs] (bfloat16) times an FP8 weight laid out as above
+   (`w`: blocks x pairs x 32 bytes, `s`: blocks x ceil(inputs / group) float32 scales), plus
+   the bias (float32), rounded to bfloat16 once. Nonzero: no such product in this build (1),
+   memory ran out (2), `group` not a positive even number (3). */
+int linear_fp8(const uint16_t *x, int rows, int inputs, int64_t x_stride, const uint8_t *w,
+               const float *s, int group, int outputs, const float *bias, uint16_t *out,
+               int64_t out_stride, int threads) {
+#ifdef HAVE_FP8
+    if (group <= 0 || group % 2) return 3;
+    int pairs = (inputs + 1) / 2, blocks = (outputs + BLOCK - 1) / BLOCK, width = 2 * pairs;
+    int groups = (inputs + group - 1) / group, units = (blocks + FP8_COLUMNS - 1) / FP8_COLUMNS;
+    float *wide = malloc((size_t)rows * width * sizeof(float));
+    if (!wide) return 2;
+    widen_rows(x, rows, inputs, x_stride, wide, width);
+    int failed = 0;
+    #pragma omp parallel num_threads(threads)
+    {
+        uint16_t *buffer = malloc((size_t)FP8_COLUMNS * pairs * BLOCK * 2 * sizeof(uint16_t));
+        if (!buffer) {
+            #pragma omp atomic write
+            failed = 2;
+        }
+        #pragma omp for schedule(static)
+        for (int u = 0; u < units; u++) {
+            if (!buffer) continue;
+            int b0 = u * FP8_COLUMNS, C = blocks - b0 < FP8_COLUMNS ? blocks - b0 : FP8_COLUMNS;
+            fp8_blocks_widened(w, s, pairs, groups, group, b0, C, buffer);
+#ifdef HAVE_AVX512
+            for (int r0 = 0; r0 < rows; r0 += ROWS) {
+                int R = rows - r0 < ROWS ? rows - r0 : ROWS;
+                tile_rows(wide, width, buffer, pairs, b0, bias, out, out_stride, outputs, r0, R, C);
+            }
+#else
+            for (int r0 = 0; r0 < rows; r0 += ROWS2) {
+                int R = rows - r0 < ROWS2 ? rows - r0 : ROWS2;
+                tile2_rows(wide, width, buffer, pairs, b0, bias, out, out_stride, outputs, r0, R);
+            }
+#endif
+        }
+        free(buffer);
+    }
+    free(wide);
+    return failed;
+#else
+    (void)x; (void)rows; (void)inputs; (void)x_stride; (void)w; (void)s; (void)group;
+    (void)outputs; (void)bias; (void)out; (void)out_stride; (void)threads;
     return 1;
 #endif
 }

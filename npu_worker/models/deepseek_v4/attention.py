@@ -25,7 +25,6 @@ from npu_worker.models.deepseek_v4.config import CSA, DeepseekV4Config
 from npu_worker.models.deepseek_v4.state import DeepseekV4State, Ring
 from npu_worker.models.kit import LayerKit
 from npu_worker.models.launch import LaunchInputs
-from npu_worker.models.stored import StoredLinear
 
 KEY_BLOCK = 32  # keys a block of the attention's sums holds (see `_attend`)
 
@@ -172,9 +171,8 @@ class Attention(nn.Module):
         self.wkv = kit.linear(hidden, c.head_dim)
         self.norm = kit.rms_norm(c.head_dim, eps, float32_weight=True)
         group_in = c.num_heads * c.head_dim // c.o_groups
-        # grouped: its weight is read per group (`forward`), never a product of its own; an
-        # FP8 weight stays stored and is widened at each read
-        self.wo_a = StoredLinear(group_in, c.o_groups * c.o_lora_rank, bias=False)
+        # grouped: each group's slice of its outputs reads its own slice of the input
+        self.wo_a = kit.linear(group_in, c.o_groups * c.o_lora_rank)
         self.wo_b = kit.linear(c.o_groups * c.o_lora_rank, hidden)
         self.attn_sink = nn.Parameter(torch.zeros(c.num_heads))
         if self.rate:
@@ -215,8 +213,7 @@ class Attention(nn.Module):
         out = rope_pairs(out, cos[:, :, None], -sin[:, :, None])
         ring.write(at.slot_ids, at.positions, kv, at.real)
         grouped = out.reshape(batch, seq, c.o_groups, -1)
-        weight = self.wo_a.weight.view(c.o_groups, c.o_lora_rank, -1)
-        mixed = torch.einsum("bsgi,goi->bsgo", grouped, weight)
+        mixed = self.wo_a.grouped(grouped)
         return self.wo_b(mixed.reshape(batch, seq, -1))
 
     def _compressed(
