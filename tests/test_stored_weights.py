@@ -93,6 +93,15 @@ def stored_layers(loaded: LoadedModel) -> dict[str, StoredLinear]:
     }
 
 
+def kernels_read_stored(loaded: LoadedModel) -> bool:
+    """Whether a bfloat16 model's products are all the kernels': its weights packed for
+    their bfloat16 product, FP8 and MXFP4 ones laid out for theirs (none widened)."""
+    layers = [m for m in loaded.model.modules() if isinstance(m, PackedLinear)]
+    products = {type(layer.product) for layer in layers if layer.product is not None}
+    widened = [layer for layer in layers if isinstance(layer.stored, (Fp8Blocks, Mxfp4))]
+    return products == {KernelProduct} and not widened
+
+
 def prompts_for(vocab_size: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [random_prompt(rng, n, vocab_size) for n in (7, 60, 150)]
@@ -142,6 +151,12 @@ def test_quantized_weights_stay_stored_and_give_the_tokens_of_their_dequantized_
     prompts = prompts_for(vocab, 35)
     for prompt in prompts:  # the same weights, the same products: the same bits
         assert torch.equal(first_logits(loaded, prompt), first_logits(widened, prompt))
+    copy_in_bf16 = load_model(copy, "bfloat16", CPU, MAX_MODEL_LEN)
+    if kernels_read_stored(in_bf16) and kernels_read_stored(copy_in_bf16):
+        # in bfloat16 the kernels' FP8 and MXFP4 products have the bfloat16 product's bits
+        for prompt in prompts:
+            got, want = first_logits(in_bf16, prompt), first_logits(copy_in_bf16, prompt)
+            assert torch.equal(got, want)
     stored_runs = lone_runs(path, "float32", prompts, 12, MAX_MODEL_LEN)
     copy_runs = lone_runs(copy, "float32", prompts, 12, MAX_MODEL_LEN)
     for got, want in zip(stored_runs, copy_runs, strict=True):
