@@ -118,27 +118,7 @@ class CpuKernels:
         """x [..., inputs] bfloat16 times a weight packed by `pack_linear`, plus the bias
         (summed in float32, rounded to bfloat16 once): [..., outputs] bfloat16. A row's
         bits depend only on that row (matmul.c)."""
-        inputs = x.shape[-1]
-        rows = x.reshape(-1, inputs)
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
-        out = torch.empty(rows.shape[0], outputs, dtype=torch.bfloat16)
-        added = None if bias is None else bias.detach().float().contiguous()
-        failed = self.product(
-            rows.data_ptr(),
-            rows.shape[0],
-            inputs,
-            rows.stride(0),
-            packed.data_ptr(),
-            outputs,
-            None if added is None else added.data_ptr(),
-            out.data_ptr(),
-            outputs,
-            torch.get_num_threads(),
-        )
-        if failed:
-            raise RuntimeError(f"linear_bf16 failed ({failed}): no AVX-512, or out of memory")
-        return out.view(*x.shape[:-1], outputs)
+        return self._rows_times(self.product, "linear_bf16", x, outputs, bias, packed.data_ptr())
 
     def linear_mxfp4(
         self,
@@ -152,28 +132,8 @@ class CpuKernels:
         [blocks, inputs / 2, 16] and `scales` [blocks, inputs / 32, 16] bytes), plus the bias
         (float32 sums, rounded to bfloat16 once): the bits of `linear` over the dequantized
         weight (matmul.c)."""
-        inputs = x.shape[-1]
-        rows = x.reshape(-1, inputs)
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
-        out = torch.empty(rows.shape[0], outputs, dtype=torch.bfloat16)
-        added = None if bias is None else bias.detach().float().contiguous()
-        failed = self.fp4_product(
-            rows.data_ptr(),
-            rows.shape[0],
-            inputs,
-            rows.stride(0),
-            packed.data_ptr(),
-            scales.data_ptr(),
-            outputs,
-            None if added is None else added.data_ptr(),
-            out.data_ptr(),
-            outputs,
-            torch.get_num_threads(),
-        )
-        if failed:
-            raise RuntimeError(f"linear_mxfp4 failed ({failed})")
-        return out.view(*x.shape[:-1], outputs)
+        weight = (packed.data_ptr(), scales.data_ptr())
+        return self._rows_times(self.fp4_product, "linear_mxfp4", x, outputs, bias, *weight)
 
     def linear_fp8(
         self,
@@ -188,20 +148,32 @@ class CpuKernels:
         [blocks, inputs / 2, 16, 2] e4m3 bytes, `scales` [blocks, ceil(inputs / group)]
         float32), plus the bias (float32 sums, rounded to bfloat16 once): the bits of
         `linear` over the dequantized weight rounded to bfloat16 (matmul.c)."""
+        weight = (packed.data_ptr(), scales.contiguous().data_ptr(), group)
+        return self._rows_times(self.fp8_product, "linear_fp8", x, outputs, bias, *weight)
+
+    @staticmethod
+    def _rows_times(
+        product: Any,
+        name: str,
+        x: torch.Tensor,
+        outputs: int,
+        bias: torch.Tensor | None,
+        *weight: int,
+    ) -> torch.Tensor:
+        """One of matmul.c's products, `product(x, rows, inputs, x_stride, *weight, outputs,
+        bias, out, out_stride, threads)`, over x's rows: [..., outputs] bfloat16."""
         inputs = x.shape[-1]
         rows = x.reshape(-1, inputs)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         out = torch.empty(rows.shape[0], outputs, dtype=torch.bfloat16)
         added = None if bias is None else bias.detach().float().contiguous()
-        failed = self.fp8_product(
+        failed = product(
             rows.data_ptr(),
             rows.shape[0],
             inputs,
             rows.stride(0),
-            packed.data_ptr(),
-            scales.data_ptr(),
-            group,
+            *weight,
             outputs,
             None if added is None else added.data_ptr(),
             out.data_ptr(),
@@ -209,7 +181,7 @@ class CpuKernels:
             torch.get_num_threads(),
         )
         if failed:
-            raise RuntimeError(f"linear_fp8 failed ({failed})")
+            raise RuntimeError(f"{name} failed ({failed}): not in this build, or out of memory")
         return out.view(*x.shape[:-1], outputs)
 
     def rope_store(
