@@ -306,3 +306,59 @@ def test_killing_an_expert_parallel_rank_mid_decode_loses_nothing_and_changes_no
     assert generation >= 2  # the group was formed again after the kill
     wait_until(lambda: redis_client.xlen(keys.requests) == 0, what="every entry deleted")
     assert redis_client.xlen(keys.dead) == 0
+
+
+def test_expert_parallel_prefix_hits_give_the_tokens_and_logprobs_of_misses(
+    checkpoints: dict[str, Path], start_pool: StartPool, client: Client
+) -> None:
+    """Two expert-parallel ranks, the same requests with prefix caching on and off (one pool
+    after the other): the hits skip the shared blocks and get the misses' tokens and
+    logprobs bit for bit, greedy and seeded sampling alike."""
+    path = checkpoints["q_lora"]
+    rng = random.Random(15)
+    system = random_prompt(rng, 300, make.VOCAB_SIZE)
+    prompts = [system + random_prompt(rng, rng.randint(4, 40), make.VOCAB_SIZE) for _ in range(6)]
+    options = [
+        {"temperature": 0.9, "seed": 70 + i} if i % 2 else {"temperature": 0.0}
+        for i in range(len(prompts))
+    ]
+    served: dict[bool, list[tuple[list[int], list[object], int]]] = {}
+    for caching in (True, False):
+        pool = start_pool(
+            model=str(path),
+            ranks=2,
+            expert_parallel=True,
+            decode_batch=4,
+            kv_slots_per_rank=8,
+            max_model_len=MAX_MODEL_LEN,
+            prefix_caching=caching,
+        )
+        results = []
+        for first in (True, False):  # the first prompt alone, then the rest at once
+            batch = [0] if first else list(range(1, len(prompts)))
+            ids = [
+                client.submit(
+                    prompt_token_ids=prompts[i],
+                    max_tokens=10,
+                    ignore_eos=True,
+                    logprobs=2,
+                    **options[i],
+                )
+                for i in batch
+            ]
+            for request_id in ids:
+                chunks = list(client.stream(request_id, timeout_s=180))
+                logprobs = [entry for chunk in chunks for entry in chunk.logprobs or []]
+                usage = chunks[-1].usage
+                assert usage is not None
+                results.append((check_stream(chunks), logprobs, usage.cached_tokens))
+        served[caching] = results
+        pool.supervised = False
+        pool.processes.stop(timeout_s=30)
+    hits, misses = served[True], served[False]
+    assert [cached for _, _, cached in misses] == [0] * len(prompts)
+    assert hits[0][2] == 0 and all(cached == 256 for _, _, cached in hits[1:]), hits
+    for (tokens, logprobs, _), (want_tokens, want_logprobs, _) in zip(hits, misses):
+        assert len(tokens) == 10
+        assert tokens == want_tokens
+        assert logprobs == want_logprobs

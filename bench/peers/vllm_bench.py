@@ -185,7 +185,8 @@ def start_server(peer: VllmPeer, engine: dict[str, Any], log_path: Path) -> Vllm
     command += ["--host", "127.0.0.1", "--port", str(port), "--dtype", peer.dtype]
     command += ["--max-model-len", str(engine["max_model_len"])]
     command += ["--max-num-seqs", str(engine["max_num_seqs"]), "--seed", str(engine["seed"])]
-    command += ["--no-enable-prefix-caching", "--disable-uvicorn-access-log"]
+    caching = ("--" if engine["prefix_caching"] else "--no-") + "enable-prefix-caching"
+    command += [caching, "--enable-prompt-tokens-details", "--disable-uvicorn-access-log"]
     started = time.monotonic()
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
