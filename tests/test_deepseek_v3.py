@@ -359,6 +359,6 @@ def test_expert_parallel_prefix_hits_give_the_tokens_and_logprobs_of_misses(
     assert [cached for _, _, cached in misses] == [0] * len(prompts)
     assert hits[0][2] == 0 and all(cached == 256 for _, _, cached in hits[1:]), hits
     for (tokens, logprobs, _), (want_tokens, want_logprobs, _) in zip(hits, misses):
-        assert len(tokens) == 10
+        assert len(tokens) == len(logprobs) == 10
         assert tokens == want_tokens
         assert logprobs == want_logprobs
