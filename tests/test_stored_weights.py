@@ -10,6 +10,7 @@ start naming what they are."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import shutil
@@ -304,18 +305,20 @@ def test_the_kernels_fp8_product_gives_the_bits_of_the_bfloat16_product_dequanti
     """e4m3 bytes read as stored (every byte value, NaN and subnormals included), widened
     once a call: the bits of the kernels' bfloat16 product over the dequantized weight
     rounded to bfloat16, at every row count, for square and narrow scale blocks, odd
-    inputs and outputs past a block's end."""
+    inputs and outputs past a block's end, with any scales and with powers of two."""
     library = load_cpu_kernels()
     if library is None or not library.has_fp8:
         pytest.skip("the kernels' FP8 product needs AVX2 with FMA and F16C, or AVX-512")
     generator = torch.Generator().manual_seed(39)
     cases = (((16, 64), (16, 16)), ((40, 300), (128, 128)), ((300, 257), (32, 64)))
-    for (outputs, inputs), block in cases:
+    for ((outputs, inputs), block), powers_of_two in itertools.product(cases, (False, True)):
         codes = torch.randint(0, 256, (outputs, inputs), generator=generator).to(torch.uint8)
         codes[(codes & 0x7F) == 0x7F] -= 1  # NaN only in the first output's weights
         codes[0, : min(inputs, 256)] = torch.arange(min(inputs, 256), dtype=torch.uint8)
         grid = (-(-outputs // block[0]), -(-inputs // block[1]))
         scale = torch.rand(grid, generator=generator) * 1e-2 + 1e-3
+        if powers_of_two:  # UE8M0 scales, as V4's release writes them (an exact product)
+            scale = torch.exp2(torch.randint(-30, 8, grid, generator=generator).float())
         stored = Fp8Blocks(codes.view(torch.float8_e4m3fn), scale, block)
         kernel = KernelFp8.of(stored)
         assert torch.equal(kernel.as_stored().weight.view(torch.uint8), codes)

@@ -1,12 +1,14 @@
 """FP8 weights on the CPU at DeepSeek-V4-Flash's attention shapes, read three ways:
 
-    python -m bench.probes.stored_cpu [--rounds 5] [--threads 1]
+    python -m bench.probes.stored_cpu [--rounds 5] [--threads 1] [--ue8m0]
 
 the kernels' FP8 product reading the stored bytes (`linear_fp8`: each block of 16 outputs
 widened once a call into the bfloat16 product's layout), the same weight widened whole at
 each call then torch's product (what an FP8 layer did before), and the kernels' bfloat16
 product over a bfloat16 copy (twice the bytes). Rows 8 (a B8S1 launch) and 128 (B1S128);
-the median of `--rounds` calls each, and the weight bytes each reads.
+the median of `--rounds` calls each. Scales are random floats (as V3's `weight_scale_inv`),
+or with `--ue8m0` powers of two (V4's release), whose products the kernel widens without
+rounding.
 """
 
 from __future__ import annotations
@@ -63,6 +65,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--ue8m0", action="store_true", help="power-of-two scales, as V4's release writes them"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     library = load_cpu_kernels()
@@ -74,7 +79,10 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     for name, (outputs, inputs) in SHAPES.items():
         codes = torch.randint(0, 126, (outputs, inputs), generator=generator).to(torch.uint8)
-        scale = torch.rand(-(-outputs // 128), -(-inputs // 128), generator=generator) * 1e-3
+        grid = (-(-outputs // 128), -(-inputs // 128))
+        scale = torch.rand(grid, generator=generator) * 1e-3
+        if args.ue8m0:
+            scale = torch.exp2(torch.randint(-14, -6, grid, generator=generator).float())
         stored = Fp8Blocks(codes.view(torch.float8_e4m3fn), scale, (128, 128))
         plain = library.pack_linear(stored.dequantize().bfloat16())
         for rows in (8, 128):

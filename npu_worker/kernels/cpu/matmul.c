@@ -397,6 +397,36 @@ static inline void fp8_widened16(const uint8_t *src, __m256 scale, uint16_t *dst
     narrow16x2(lo, hi, dst, BLOCK);
 }
 
+/* the same where the scale is a power of two from 2^-100 to 2^100 (DeepSeek-V4's UE8M0
+   scales): e4m3 (4 significant bits) times it is exact in bfloat16, so the rounding is a
+   cut of the low halves */
+static inline void fp8_widened16_exact(const uint8_t *src, __m256 scale, uint16_t *dst) {
+    __m256i h = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)src));
+    __m256i magnitude = _mm256_and_si256(h, _mm256_set1_epi16(0x7f));
+    __m256i half = _mm256_or_si256(_mm256_slli_epi16(magnitude, 7),
+                                   _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x80)), 8));
+    __m256i nan = _mm256_cmpeq_epi16(magnitude, _mm256_set1_epi16(0x7f));
+    half = _mm256_or_si256(half, _mm256_and_si256(nan, _mm256_set1_epi16(0x7c00)));
+    __m256 lo = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(half)), scale);
+    __m256 hi = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(half, 1)), scale);
+    __m256i top = _mm256_packus_epi32(_mm256_srli_epi32(_mm256_castps_si256(lo), 16),
+                                      _mm256_srli_epi32(_mm256_castps_si256(hi), 16));
+    /* a NaN's cut keeps its sign and payload; torch's rounding gives 0x7fc0 */
+    __m256i out = _mm256_permute4x64_epi64(top, 0xd8);
+    __m256i quiet = _mm256_cmpgt_epi16(_mm256_and_si256(out, _mm256_set1_epi16(0x7fff)),
+                                       _mm256_set1_epi16(0x7f80));
+    out = _mm256_blendv_epi8(out, _mm256_set1_epi16(0x7fc0), quiet);
+    _mm256_storeu_si256((__m256i *)dst, out);
+}
+
+/* whether e4m3 x `scale` is exact in bfloat16 for every e4m3 value */
+static inline int exact_scale(float scale) {
+    uint32_t bits;
+    memcpy(&bits, &scale, sizeof bits);
+    int exponent = (int)((bits >> 23) & 0xff) - 127;
+    return (bits & 0x7fffff) == 0 && exponent >= -100 && exponent <= 100;
+}
+
 /* blocks b0..b0+C of the FP8 weight, widened into dst in `linear_bf16`'s packed layout */
 static void fp8_blocks_widened(const uint8_t *w, const float *s, int pairs, int groups,
                                int group, int b0, int C, uint16_t *dst) {
@@ -407,11 +437,17 @@ static void fp8_blocks_widened(const uint8_t *w, const float *s, int pairs, int 
         const float *sb = s + (int64_t)(b0 + c) * groups;
         for (int g = 0, p = 0; g < groups; g++) {
             __m256 scale = _mm256_set1_ps(sb[g] * 256.0f);
-            for (int end = p + per_group < pairs ? p + per_group : pairs; p < end; p++) {
-                fp8_widened16(wb + (int64_t)p * BLOCK * 2, scale, dst + offset + p * BLOCK * 2);
-                fp8_widened16(wb + (int64_t)p * BLOCK * 2 + BLOCK, scale,
-                              dst + offset + p * BLOCK * 2 + BLOCK);
-            }
+            int end = p + per_group < pairs ? p + per_group : pairs;
+            if (exact_scale(sb[g]))
+                for (; p < end; p++)
+                    for (int e = 0; e < 2; e++)
+                        fp8_widened16_exact(wb + (int64_t)p * BLOCK * 2 + e * BLOCK, scale,
+                                            dst + offset + p * BLOCK * 2 + e * BLOCK);
+            else
+                for (; p < end; p++)
+                    for (int e = 0; e < 2; e++)
+                        fp8_widened16(wb + (int64_t)p * BLOCK * 2 + e * BLOCK, scale,
+                                      dst + offset + p * BLOCK * 2 + e * BLOCK);
         }
     }
 }
