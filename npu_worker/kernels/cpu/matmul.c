@@ -383,17 +383,23 @@ int linear_mxfp4(const uint16_t *x, int rows, int inputs, int64_t x_stride, cons
 #define FP8_COLUMNS 1
 #endif
 
-/* 16 e4m3 bytes times `scale` (the block's scale x 256), as bfloat16, into dst */
-static inline void fp8_widened16(const uint8_t *src, __m256 scale, uint16_t *dst) {
+/* 16 e4m3 bytes times `scale` (the block's scale x 256) in float32, two vectors: each
+   byte as a half float (e4m3's one NaN as a half-float NaN), widened exactly by F16C */
+static inline void fp8_scaled16(const uint8_t *src, __m256 scale, __m256 *lo, __m256 *hi) {
     __m256i h = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)src));
     __m256i magnitude = _mm256_and_si256(h, _mm256_set1_epi16(0x7f));
     __m256i half = _mm256_or_si256(_mm256_slli_epi16(magnitude, 7),
                                    _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x80)), 8));
-    /* e4m3's one NaN (all ones) as a half-float NaN */
     __m256i nan = _mm256_cmpeq_epi16(magnitude, _mm256_set1_epi16(0x7f));
     half = _mm256_or_si256(half, _mm256_and_si256(nan, _mm256_set1_epi16(0x7c00)));
-    __m256 lo = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(half)), scale);
-    __m256 hi = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(half, 1)), scale);
+    *lo = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(half)), scale);
+    *hi = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(half, 1)), scale);
+}
+
+/* those 16 values rounded to bfloat16, into dst */
+static inline void fp8_widened16(const uint8_t *src, __m256 scale, uint16_t *dst) {
+    __m256 lo, hi;
+    fp8_scaled16(src, scale, &lo, &hi);
     narrow16x2(lo, hi, dst, BLOCK);
 }
 
@@ -401,14 +407,8 @@ static inline void fp8_widened16(const uint8_t *src, __m256 scale, uint16_t *dst
    scales): e4m3 (4 significant bits) times it is exact in bfloat16, so the rounding is a
    cut of the low halves */
 static inline void fp8_widened16_exact(const uint8_t *src, __m256 scale, uint16_t *dst) {
-    __m256i h = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)src));
-    __m256i magnitude = _mm256_and_si256(h, _mm256_set1_epi16(0x7f));
-    __m256i half = _mm256_or_si256(_mm256_slli_epi16(magnitude, 7),
-                                   _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x80)), 8));
-    __m256i nan = _mm256_cmpeq_epi16(magnitude, _mm256_set1_epi16(0x7f));
-    half = _mm256_or_si256(half, _mm256_and_si256(nan, _mm256_set1_epi16(0x7c00)));
-    __m256 lo = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(half)), scale);
-    __m256 hi = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(half, 1)), scale);
+    __m256 lo, hi;
+    fp8_scaled16(src, scale, &lo, &hi);
     __m256i top = _mm256_packus_epi32(_mm256_srli_epi32(_mm256_castps_si256(lo), 16),
                                       _mm256_srli_epi32(_mm256_castps_si256(hi), 16));
     /* a NaN's cut keeps its sign and payload; torch's rounding gives 0x7fc0 */
