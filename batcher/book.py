@@ -33,7 +33,7 @@ from batcher.intake import (
 from batcher.metrics import BatcherMetrics
 from batcher.outcomes import apply_result
 from batcher.prefix import block_keys
-from batcher.scheduler import PoolState, StepPlan, finish, stop
+from batcher.scheduler import PoolState, Sequence, StepPlan, finish, stop
 from schemas.codec import DeadLetter, Rejected, request_id_of
 from schemas.config import Settings
 from schemas.control import StepResult
@@ -247,7 +247,26 @@ class RequestBook:
         assert tracked.seq is not None
         if tracked.seq.max_new_tokens <= 0:
             return FinishReason.LENGTH, None
-        return None, None
+        return self._too_large(tracked.seq)
+
+    def _too_large(self, seq: Sequence) -> tuple[FinishReason | None, ErrorInfo | None]:
+        """In a cache of blocks, a request that would not fit on any rank even alone (its
+        context and every token it may produce) is rejected: it could never finish."""
+        state = self.state
+        if not state.config.paged or not state.pools:
+            return None, None
+        tokens = seq.num_prompt_tokens + seq.max_new_tokens
+        needed = state.blocks_needed(seq, tokens)
+        most = max(pool.total - state.watermark(r) for r, pool in state.pools.items())
+        if needed <= most:
+            return None, None
+        size = state.config.block_size
+        message = (
+            f"{seq.num_prompt_tokens} context tokens and up to {seq.max_new_tokens} more need "
+            f"{needed} cache blocks of {size} tokens; a rank of this pool holds {most} for one "
+            "request (raise --kv-cache-memory, or ask for fewer max_tokens)"
+        )
+        return FinishReason.REJECTED, ErrorInfo(code="cache_too_small", message=message)
 
     def forget(self, tracked: Tracked, pipe: redis.client.Pipeline) -> None:
         """Drop a request whose final chunk is written, and settle its entry."""

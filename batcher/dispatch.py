@@ -44,9 +44,15 @@ def rank_plans(
                 tenant=entry.request.tenant,
                 cached_from=seq.cached_from,
                 num_cached_tokens=seq.num_cached,
+                blocks=list(seq.blocks),
+                copy_block=list(seq.copy_block),
                 grammar=constraint.compiled() if (constraint := entry.request.constraint) else None,
             )
         )
+    for seq in plan.grown:  # a running request's next blocks
+        start = seq.num_sent_blocks
+        for_rank(seq.rank).blocks.append([seq.slot, start, seq.blocks[start:]])
+        seq.num_sent_blocks = len(seq.blocks)
     for launch in plan.decode_launches:
         for rank, rows in launch.items():
             for_rank(rank).decode_launches.append([seq.slot for seq in rows])

@@ -44,7 +44,15 @@ def tenant_load(state: PoolState) -> dict[str, dict[str, int]]:
 def kv_blocks(state: PoolState, max_model_len: int) -> dict[str, int]:
     """The pool's cache in blocks: over its live ranks' slots (`kv_blocks_total`), those
     its running requests' tokens fill (`kv_blocks_used`), and the distinct prefix blocks its
-    slots hold for reuse (`cached_blocks`)."""
+    slots hold for reuse (`cached_blocks`); in a cache of blocks, the ranks' blocks, those
+    requests hold, and those keyed by the prefix they hold."""
+    if state.config.paged:
+        pools = [state.pools[r] for r in state.ranks if r in state.pools]
+        return {
+            "kv_blocks_total": sum(p.total for p in pools),
+            "kv_blocks_used": sum(p.num_used for p in pools),
+            "cached_blocks": sum(p.num_cached for p in pools),
+        }
     block = state.config.block_size
     per_slot = -(-max_model_len // block)
     total = len(state.ranks) * state.config.kv_slots_per_rank * per_slot

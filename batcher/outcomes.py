@@ -43,7 +43,12 @@ def apply_result(state: PoolState, result: StepResult) -> Applied:
         if outcome.num_new_tokens and seq.block_keys and not seq.registered:
             # its first token: every chunk of its prompt ran, so its slot holds its blocks
             seq.registered = True
-            state.prefix.register((seq.rank, seq.slot), seq.block_keys)
+            pool = state.pools.get(seq.rank)
+            if pool is not None:  # a cache of blocks: its blocks hold them
+                pool.register(seq.block_keys, seq.blocks)
+                state.prefix.settle((seq.rank, seq.slot))
+            else:
+                state.prefix.register((seq.rank, seq.slot), seq.block_keys)
         if outcome.num_new_tokens:
             num_before = applied.num_new_tokens.get(seq.request_id, 0)
             applied.num_new_tokens[seq.request_id] = num_before + outcome.num_new_tokens

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 Holder = tuple[int, int]  # (rank, slot)
@@ -74,17 +75,31 @@ class PrefixIndex:
                 hits[rank] = Hit(rank, depth, slots)
         return hits
 
-    def coming(self, keys: tuple[bytes, ...], rank: int) -> bool:
-        """Whether the first of `keys` the rank holds in no slot is being computed there."""
+    def coming(
+        self, keys: tuple[bytes, ...], rank: int, held: Callable[[bytes], bool] | None = None
+    ) -> bool:
+        """Whether the first of `keys` the rank holds in no slot (or, given `held`, that
+        `held` says it does not hold) is being computed there."""
         for key in keys:
-            if not any(h[0] == rank for h in self.holders.get(key, ())):
+            if held is not None:
+                holds = held(key)
+            else:
+                holds = any(h[0] == rank for h in self.holders.get(key, ()))
+            if not holds:
                 return any(h[0] == rank for h in self.computing.get(key, ()))
         return False
 
-    def awaited(self, keys: tuple[bytes, ...], ranks: list[int]) -> bool:
+    def awaited(
+        self,
+        keys: tuple[bytes, ...],
+        ranks: list[int],
+        held: Callable[[int], Callable[[bytes], bool]] | None = None,
+    ) -> bool:
         """Whether on every rank of `ranks` the next blocks of `keys` are being computed:
         waiting for them is then better than computing them once more anywhere."""
-        return bool(keys and ranks) and all(self.coming(keys, rank) for rank in ranks)
+        return bool(keys and ranks) and all(
+            self.coming(keys, rank, held(rank) if held is not None else None) for rank in ranks
+        )
 
     def compute(self, holder: Holder, keys: tuple[bytes, ...]) -> None:
         """The slot's request will compute these blocks."""

@@ -11,10 +11,11 @@ launches, and lists the running requests their ranks must end (stopped or preemp
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from operator import attrgetter
 
+from batcher.blocks import BlockPool
 from batcher.fairness import (
     EPSILON,
     TenantShare,
@@ -55,6 +56,10 @@ class PlannerConfig:
     prefix_caching: bool = False
     block_size: int = 128
     mtp: bool = False
+    # a cache of blocks per rank (batcher/blocks.py): requests hold blocks as they grow,
+    # and shared prefixes are held, not copied; False: each slot reserves every position
+    paged: bool = False
+    max_kv_len: int = 0  # positions a request may reach (paged: its table's length)
 
     def __post_init__(self) -> None:
         for name in (
@@ -71,6 +76,11 @@ class PlannerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.decode_stall_steps < 0:
             raise ValueError(f"decode_stall_steps must be >= 0, got {self.decode_stall_steps}")
+        if self.paged and self.max_kv_len < self.block_size:
+            raise ValueError(
+                f"a cache of blocks: max_kv_len {self.max_kv_len} holds no block of "
+                f"{self.block_size}"
+            )
         if self.preempt_margin is not None and not self.preempt_margin >= 0:
             raise ValueError(f"preempt_margin must be >= 0 or None, got {self.preempt_margin}")
 
@@ -101,6 +111,11 @@ class Sequence:
     cached_from: int = -1  # the slot they are copied from (its own: they are there)
     registered: bool = False  # its blocks are in the prefix index
     deferred: bool = False  # it waits for a running request to compute its leading blocks
+    # a cache of blocks: the blocks it holds, in the order of its positions; how many of
+    # them its rank has been told of; and [source, target] of a shared block it copies
+    blocks: list[int] = field(default_factory=list)
+    num_sent_blocks: int = 0
+    copy_block: list[int] = field(default_factory=list)
 
     @property
     def is_admitted(self) -> bool:
@@ -149,6 +164,7 @@ class StepPlan:
     decode_launches: list[dict[int, list[Sequence]]] = field(default_factory=list)
     prefill: dict[int, list[list[PrefillChunk]]] = field(default_factory=dict)  # launches
     fence: bool = False
+    grown: list[Sequence] = field(default_factory=list)  # running requests given blocks
 
     @property
     def is_empty(self) -> bool:
@@ -186,6 +202,7 @@ class PoolState:
     prefill_served: dict[str, float] = field(default_factory=dict)
     prefill_floor: float = 0.0
     prefix: PrefixIndex = field(default_factory=PrefixIndex)  # which slot holds which blocks
+    pools: dict[int, BlockPool] = field(default_factory=dict)  # a cache of blocks: per rank
 
     def __post_init__(self) -> None:
         if not self.free_slots:
@@ -234,13 +251,32 @@ class PoolState:
         return seq
 
     def mark_stopping(self, seq: Sequence, preempting: bool = False) -> None:
-        """A running request's rank is to end it (and, preempting, give its slot back)."""
+        """A running request's rank is to end it (and, preempting, give its slot back).
+        Its blocks are free at once: the plan that tells its rank comes before any launch
+        that writes them for another request."""
         if not seq.stopping:
             seq.stopping = True
             self.version += 1
             self.leaving += 1
             self._occupy(seq.tenant, -1)
         seq.preempting = seq.preempting or preempting
+        self.release_blocks(seq)
+
+    def release_blocks(self, seq: Sequence) -> None:
+        """A request lets go of the blocks it holds (a cache of blocks)."""
+        pool = self.pools.get(seq.rank)
+        if seq.blocks and pool is not None:
+            pool.release(seq.blocks)
+        seq.blocks = []
+
+    def blocks_needed(self, seq: Sequence, tokens: int) -> int:
+        """Blocks a request's table needs to hold positions [0, tokens)."""
+        size = self.config.block_size
+        return min(-(-tokens // size), self.config.max_kv_len // size)
+
+    def watermark(self, rank: int) -> int:
+        """Free blocks admission leaves on a rank for running requests to grow into."""
+        return max(1, self.pools[rank].total // 100)
 
     def _occupy(self, tenant: str, change: int) -> None:
         left = self.occupancy[tenant] + change
@@ -257,8 +293,6 @@ def plan_step(state: PoolState) -> StepPlan:
     chunks. A full pool always decodes: finishing requests is what lets queued ones in."""
     plan = StepPlan(admitted=_admit(state), preempted=_preempt(state))
     plan.preempted += _preempt_for_share(state)
-    plan.stops = state.stops + [PlannedStop(seq, PREEMPTED) for seq in plan.preempted]
-    state.stops = []
     by_rank: dict[int, list[Sequence]] = {r: [] for r in sorted(state.ranks)}
     for seq in state.running.values():
         if seq.rank in by_rank:
@@ -269,6 +303,10 @@ def plan_step(state: PoolState) -> StepPlan:
     }
     if not may_wait:
         state.decode_stalls.clear()
+    if state.config.paged:
+        plan.preempted += _grow(state, decoding, plan)
+    plan.stops = state.stops + [PlannedStop(seq, PREEMPTED) for seq in plan.preempted]
+    state.stops = []
     plan.decode_launches = _plan_decode(decoding, state.config, lockstep_ranks=by_rank)
     plan.prefill = _plan_prefill(by_rank, state)
     return plan
@@ -288,6 +326,7 @@ def finish(state: PoolState, request_id: str) -> Sequence | None:
         slots.append(seq.slot)
         slots.sort()
         state.prefix.freed((seq.rank, seq.slot))
+        state.release_blocks(seq)
     return seq
 
 
@@ -304,6 +343,7 @@ def lose_rank(state: PoolState, rank: int) -> list[Sequence]:
     """Take a rank out of planning; returns the requests it held, now out of the pool."""
     state.ranks.discard(rank)
     state.prefix.forget_rank(rank)
+    state.pools.pop(rank, None)
     state.decode_stalls.pop(rank, None)
     state.stops = [s for s in state.stops if s.seq.rank != rank]
     lost = [s for s in state.running.values() if s.rank == rank]
@@ -312,11 +352,15 @@ def lose_rank(state: PoolState, rank: int) -> list[Sequence]:
     return lost
 
 
-def join_rank(state: PoolState, rank: int) -> None:
-    """Put a (new) rank process into planning with all of its KV slots free."""
+def join_rank(state: PoolState, rank: int, num_blocks: int = 0) -> None:
+    """Put a (new) rank process into planning with all of its KV slots free (and, in a
+    cache of blocks, its `num_blocks` blocks)."""
     state.ranks.add(rank)
     state.free_slots[rank] = list(range(state.config.kv_slots_per_rank))
     state.prefix.forget_rank(rank)
+    state.pools.pop(rank, None)
+    if num_blocks:
+        state.pools[rank] = BlockPool(num_blocks)
 
 
 def _admit(state: PoolState) -> list[Sequence]:
@@ -339,8 +383,9 @@ def _admit(state: PoolState) -> list[Sequence]:
             break
         if held is not None and at_cap(tenants, seq.tenant, held):
             continue
-        ranks = _ranks_for(state, seq.isolated)
-        seq.deferred = prefix is not None and prefix.awaited(seq.block_keys, ranks)
+        ranks = _ranks_for(state, seq.isolated, seq)
+        holds = (lambda r: _held(state, r)) if state.config.paged else None
+        seq.deferred = prefix is not None and prefix.awaited(seq.block_keys, ranks, holds)
         if seq.deferred:  # the blocks it starts with come soon: it need not compute them
             continue
         if not ranks:  # an isolated request waits for a rank to empty; the queue with it
@@ -500,9 +545,10 @@ def _victim_order(seq: Sequence) -> tuple[float, int]:
     return seq.urgency, -seq.order
 
 
-def _ranks_for(state: PoolState, isolated: bool) -> list[int]:
-    """The live ranks with a free slot; never a rank that runs an isolated request, and for
-    an isolated request only an empty rank."""
+def _ranks_for(state: PoolState, isolated: bool, seq: Sequence | None = None) -> list[int]:
+    """The live ranks with a free slot (in a cache of blocks, and blocks for `seq`'s
+    prompt); never a rank that runs an isolated request, and for an isolated request only
+    an empty rank."""
     hosts = {s.rank for s in state.running.values() if s.isolated}
     full = state.config.kv_slots_per_rank
     return [
@@ -511,7 +557,42 @@ def _ranks_for(state: PoolState, isolated: bool) -> list[int]:
         if state.free_slots[r]
         and r not in hosts
         and (not isolated or len(state.free_slots[r]) == full)
+        and (seq is None or not state.config.paged or _fits(state, seq, r))
     ]
+
+
+def _fits(state: PoolState, seq: Sequence, rank: int) -> bool:
+    """Whether the rank has the free blocks `seq`'s prompt takes, the watermark left."""
+    pool = state.pools.get(rank)
+    if pool is None:
+        return False
+    _, shared, fresh = _prompt_blocks(state, seq, pool)
+    return pool.num_free - pool.reusable(shared) - fresh >= state.watermark(rank)
+
+
+def _prompt_blocks(state: PoolState, seq: Sequence, pool: BlockPool) -> tuple[int, list[int], int]:
+    """A prompt's cached tokens on a rank, the blocks it would share there (wholly
+    before its first computed position) and how many it takes fresh (a copy of the
+    block it starts computing in, if cached, among them)."""
+    config = state.config
+    hits = pool.cached(seq.block_keys) if config.prefix_caching else []
+    cached = _cached_tokens(state, seq, len(hits))
+    shared = hits[: cached // config.block_size]
+    return cached, shared, state.blocks_needed(seq, seq.num_prompt_tokens) - len(shared)
+
+
+def _cached_tokens(state: PoolState, seq: Sequence, num_blocks: int) -> int:
+    """Prompt tokens `num_blocks` cached leading blocks spare it (at least the last is
+    always computed, with MTP the last cached one too; unpacked, prefill resumes on a
+    chunk's boundary)."""
+    config = state.config
+    if not num_blocks:
+        return 0
+    recompute = 1 if config.mtp else 0
+    cached = min(num_blocks * config.block_size - recompute, seq.num_prompt_tokens - 1)
+    if not config.pack_prefill:
+        cached -= cached % config.prefill_chunk
+    return max(cached, 0)
 
 
 def _place(state: PoolState, seq: Sequence, ranks: list[int]) -> None:
@@ -521,6 +602,9 @@ def _place(state: PoolState, seq: Sequence, ranks: list[int]) -> None:
     count as prefilled (at least the last is always computed; unpacked, prefill resumes
     on a chunk's boundary)."""
     config, prefix = state.config, state.prefix
+    if config.paged:
+        _place_in_blocks(state, seq, ranks)
+        return
     hits = prefix.longest(seq.block_keys, set(ranks)) if config.prefix_caching else {}
     cached = 0
     if hits:
@@ -548,10 +632,90 @@ def _place(state: PoolState, seq: Sequence, ranks: list[int]) -> None:
     seq.rank, seq.slot = rank, slot
 
 
-def _pick_rank(state: PoolState, ranks: list[int]) -> int:
-    """Of `ranks`, the one with the most free slots, ties round-robin."""
-    most = max(len(state.free_slots[r]) for r in ranks)
-    tied = [r for r in ranks if len(state.free_slots[r]) == most]
+def _place_in_blocks(state: PoolState, seq: Sequence, ranks: list[int]) -> None:
+    """`_place` in a cache of blocks: the rank whose cached blocks spare the most of the
+    prompt (ties: more free blocks), else the one with the most free blocks of those not
+    computing its blocks already. The request holds the cached blocks before its first
+    computed position, shared; the block that position lies in, if cached, is copied into
+    a fresh one (a shared block is never written); the rest of its prompt's blocks are
+    fresh."""
+    config, prefix = state.config, state.prefix
+    best: tuple[int, int, int] | None = None
+    for rank in ranks:
+        cached, _, _ = _prompt_blocks(state, seq, state.pools[rank])
+        key = (cached, state.pools[rank].num_free, -rank)
+        if cached and (best is None or key > best):
+            best = key
+    if best is not None:
+        rank = -best[2]
+    else:
+        fresh_ranks = [r for r in ranks if not prefix.coming(seq.block_keys, r, _held(state, r))]
+        rank = _pick_rank(state, fresh_ranks or ranks, by_blocks=True)
+    pool = state.pools[rank]
+    cached, shared, fresh = _prompt_blocks(state, seq, pool)
+    pool.hold(shared)
+    seq.blocks = shared + pool.take(fresh)
+    seq.num_sent_blocks = len(seq.blocks)
+    seq.copy_block = []
+    hits = pool.cached(seq.block_keys) if cached else []
+    if cached % config.block_size:  # its first computed position is inside a cached block
+        seq.copy_block = [hits[len(shared)], seq.blocks[len(shared)]]
+    seq.num_cached, seq.num_prefilled = cached, cached
+    slot = min(state.free_slots[rank])
+    state.free_slots[rank].remove(slot)
+    prefix.keep((rank, slot), 0)
+    if config.prefix_caching:
+        prefix.compute((rank, slot), seq.block_keys[len(shared) :])
+    seq.rank, seq.slot = rank, slot
+
+
+def _held(state: PoolState, rank: int) -> Callable[[bytes], bool]:
+    """Whether a rank's blocks hold a prefix key."""
+    pool = state.pools.get(rank)
+    return (lambda key: key in pool.block_of) if pool is not None else (lambda key: False)
+
+
+def _grow(state: PoolState, decoding: dict[int, list[Sequence]], plan: StepPlan) -> list[Sequence]:
+    """Give each request about to decode the blocks its next positions lie in, most
+    urgent first; where a rank has none free, its least urgent running requests give theirs
+    back (preempted: they resume later, recomputing what is not cached), the one growing
+    itself if it is the least urgent. Returns the preempted."""
+    config = state.config
+    preempted: list[Sequence] = []
+    for rank, seqs in decoding.items():
+        pool = state.pools.get(rank)
+        if pool is None:
+            continue
+        order = sorted((s for s in seqs if s.wants_decode), key=_victim_order, reverse=True)
+        for seq in order:
+            if seq.stopping:
+                continue
+            ahead = seq.num_planned_tokens  # tokens to feed: the last at this position
+            if config.mtp:  # a verify feeds a draft after it; a step may commit two
+                ahead = min(2 * ahead, seq.max_new_tokens) + 1
+            need = state.blocks_needed(seq, seq.num_prompt_tokens + ahead) - len(seq.blocks)
+            while need > pool.num_free:
+                victims = [s for s in seqs if not s.stopping and s.blocks]
+                victim = min(victims, key=_victim_order)
+                state.mark_stopping(victim, preempting=True)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.stopping or need <= 0:
+                continue
+            seq.blocks += pool.take(need)
+            plan.grown.append(seq)
+    return preempted
+
+
+def _pick_rank(state: PoolState, ranks: list[int], by_blocks: bool = False) -> int:
+    """Of `ranks`, the one with the most free slots (or blocks), ties round-robin."""
+
+    def free(rank: int) -> int:
+        return state.pools[rank].num_free if by_blocks else len(state.free_slots[rank])
+
+    most = max(free(r) for r in ranks)
+    tied = [r for r in ranks if free(r) == most]
     chosen = next((r for r in tied if r >= state.next_rank), tied[0])
     state.next_rank = (chosen + 1) % state.config.num_ranks
     return chosen

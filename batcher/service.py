@@ -134,8 +134,15 @@ class Batcher:
             tenants=self.tenants,
             block_size=s.block_size,
             mtp=s.mtp,
+            max_kv_len=s.max_kv_len,
         )
         return PoolState(config, live_ranks=set())
+
+    def _join(self, rank: int) -> None:
+        """Plan for a (new) rank process: its slots free, and its blocks in a cache of
+        blocks."""
+        paged = self.state.config.paged
+        join_rank(self.state, rank, self.registry.kv_blocks.get(rank, 0) if paged else 0)
 
     def _new_registry(self) -> RankRegistry:
         s = self.settings
@@ -294,7 +301,7 @@ class Batcher:
             moved = lose_rank(self.state, rank)
             self.book.requeue([self.book.tracked[s.request_id] for s in moved])
         for rank in self.registry.live:
-            join_rank(self.state, rank)
+            self._join(rank)
 
     def _wait_for_ranks(self) -> None:
         """Until every rank is up, or at least one is and a rank timeout has passed."""
@@ -344,23 +351,29 @@ class Batcher:
             # lost their requests through no fault of theirs
             died = not self.settings.expert_parallel or rank in changes.vanished
             self.book.requeue([self.book.tracked[s.request_id] for s in lost], rank_died=died)
+        if changes.joined:
+            ranks = self.state.ranks | set(changes.joined)
+            packs = all(self.registry.packs.get(r, False) for r in ranks)
+            prefix = all(self.registry.prefix.get(r, False) for r in ranks)
+            paged = self.settings.kv_cache_memory is not None and all(
+                self.registry.kv_blocks.get(r, 0) > 0 for r in ranks
+            )
+            if self.settings.kv_cache_memory is not None and not paged:
+                log.warning("the model's state is not kept in blocks: each slot reserves it")
+            self.state.config = replace(
+                self.state.config,
+                pack_prefill=self.settings.pack_prefill and packs,
+                prefix_caching=self.settings.prefix_caching and prefix,
+                paged=paged,
+            )
         for rank in changes.joined:
             log.info("rank %d joined (%s)", rank, self.registry.incarnation(rank))
-            join_rank(self.state, rank)
+            self._join(rank)
         if changes.lost or changes.joined:
             planned = ",".join(str(r) for r in sorted(self.state.ranks))
             self.redis.hset(self.keys.pool(self.pool), PoolField.PLANNED, planned)
         if self.settings.expert_parallel and (changes.lost or changes.joined):
             self.regroup = True
-        if changes.joined:
-            ranks = self.state.ranks
-            packs = all(self.registry.packs.get(r, False) for r in ranks)
-            prefix = all(self.registry.prefix.get(r, False) for r in ranks)
-            self.state.config = replace(
-                self.state.config,
-                pack_prefill=self.settings.pack_prefill and packs,
-                prefix_caching=self.settings.prefix_caching and prefix,
-            )
 
     def _publish_limits(self) -> None:
         live = live_pools(self.redis, self.keys)

@@ -122,8 +122,14 @@ class RankEngine:
             plan.epoch, plan.step, self.rank, plan.incarnation, plan.new_requests, plan.stops
         )
         for new in plan.new_requests:  # a cached prefix is copied before any launch writes
-            if new.num_cached_tokens and new.cached_from not in (-1, new.slot):
+            if new.blocks:  # a cache of blocks: shared ones are named, one may be copied
+                self.runner.assign_blocks(new.slot, 0, new.blocks)
+                if new.copy_block:
+                    self.runner.copy_blocks([(new.copy_block[0], new.copy_block[1])])
+            elif new.num_cached_tokens and new.cached_from not in (-1, new.slot):
                 self.runner.copy_prefix(new.cached_from, new.slot, new.num_cached_tokens)
+        for slot, start, blocks in plan.blocks:  # running requests' next blocks
+            self.runner.assign_blocks(slot, start, blocks)
         for new in plan.new_requests:
             self.slots[new.slot] = self._admit(new)
         for stop in plan.stops:  # the output process writes what the stop means

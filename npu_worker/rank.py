@@ -201,6 +201,7 @@ class Worker:
                 RankField.STATE: RankState.WARMING.value,
                 RankField.PACKS: int(runner.packs),
                 RankField.PREFIX: int(runner.prefix_cacheable),
+                RankField.KV_BLOCKS: runner.kv_blocks,
                 RankField.SHAPES: runner.shapes.encode(),
             },
         )

@@ -80,7 +80,8 @@ class LaunchRunner:
         self.prefill_chunk = shapes.prefill_chunk
         self.decode_batch = decode_batch = shapes.decode_batch
         num_slots = shapes.num_slots
-        self.state = model.new_state(num_slots, shapes.max_kv_len)
+        num_blocks = cache_blocks(model, shapes)
+        self.state = model.new_state(num_slots, shapes.max_kv_len, shapes.block_size, num_blocks)
         self.device = self.state.device
         self.backend = make_backend(model, self.state, self.device, cuda_graphs)
         # graph backends capture one shape per span, so spans are whole prefill chunks;
@@ -101,6 +102,19 @@ class LaunchRunner:
     def copy_prefix(self, source: int, target: int, num_tokens: int) -> None:
         """Slot `target` takes `source`'s state for its first `num_tokens` positions."""
         self.state.copy_prefix(source, target, num_tokens)
+
+    @property
+    def kv_blocks(self) -> int:
+        """Cache blocks the planner hands out (0: each slot reserves every position)."""
+        return self.state.num_blocks if self.state.paged else 0
+
+    def assign_blocks(self, slot: int, start: int, blocks: list[int]) -> None:
+        """A slot's block table from entry `start` on (from 0: a new request's)."""
+        self.state.assign(slot, start, blocks)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Each pair's target block takes its source block's entries."""
+        self.state.copy_blocks(pairs)
 
     @property
     def packs(self) -> bool:
@@ -331,3 +345,21 @@ class LaunchRunner:
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
+
+
+def cache_blocks(model: LaunchModel[Any], shapes: LaunchShapes) -> int:
+    """Blocks of `shapes.block_size` positions that `shapes.kv_cache_memory` bytes hold for
+    the model's cache (0 without a budget, or where its state is not a KV cache)."""
+    if not shapes.kv_cache_memory:
+        return 0
+    probe = model.new_state(1, shapes.block_size, shapes.block_size, 1)
+    if not probe.paged:
+        return 0
+    per_block = probe.bytes_per_token * shapes.block_size
+    blocks = shapes.kv_cache_memory // per_block
+    if blocks < 1:
+        raise ValueError(
+            f"kv_cache_memory {shapes.kv_cache_memory} bytes holds no block of "
+            f"{shapes.block_size} tokens ({per_block} bytes)"
+        )
+    return int(blocks)

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 import platformdirs
-from pydantic import AliasChoices, Field, model_validator
+from pydantic import AliasChoices, ByteSize, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from schemas.registry import LaunchShapes
@@ -64,7 +64,17 @@ class Settings(BaseSettings):
     )
     ranks: int = Field(default=1, ge=1, le=64, description="data-parallel worker ranks")
     max_num_seqs: int = Field(default=64, ge=1, description="admitted requests, whole pool")
-    kv_slots_per_rank: int = Field(default=16, ge=1, description="KV cache slots per rank")
+    kv_slots_per_rank: int = Field(
+        default=16,
+        ge=1,
+        description="requests a rank runs at once; without --kv-cache-memory each reserves "
+        "max_model_len tokens of cache",
+    )
+    kv_cache_memory: ByteSize | None = Field(
+        default=None,
+        description="cache bytes per rank (e.g. 4GiB), handed out to requests in blocks of "
+        "--block-size tokens as they grow; unset: each slot reserves max_model_len",
+    )
     max_model_len: int = Field(default=1024, ge=2, description="prompt + completion tokens")
     prefill_chunk: int = Field(default=128, ge=1, description="tokens per prefill launch (S)")
     prefill_slots: int = Field(default=4, ge=1, description="prefill launches per rank per step")
@@ -162,6 +172,11 @@ class Settings(BaseSettings):
             raise ValueError(f"dtype float64 is for the CPU only, not device={self.device}")
         if self.tenants is not None:
             load_tenants(self.tenants)  # a bad file stops the command that reads it, saying why
+        if self.kv_cache_memory is not None and self.prefill_chunk % self.block_size:
+            raise ValueError(
+                f"with kv_cache_memory, block_size={self.block_size} must divide "
+                f"prefill_chunk={self.prefill_chunk}"
+            )
         if self.expert_parallel:
             self.lockstep = True  # collectives in every launch: every rank runs them all
         return self
@@ -187,6 +202,8 @@ class Settings(BaseSettings):
             mtp=self.mtp,
             expert_parallel=self.expert_parallel,
             model=self.model,
+            block_size=self.block_size if self.kv_cache_memory else 0,
+            kv_cache_memory=int(self.kv_cache_memory or 0),
         )
 
     def service_args(self) -> list[str]:

@@ -37,6 +37,10 @@ class NewRequest:
     # (copied from there first, unless that is its own slot); prefill starts after them
     cached_from: int = -1
     num_cached_tokens: int = 0
+    # a cache of blocks: its table (the blocks of its positions, in order, shared ones
+    # first), and [source, target] when a shared block it writes into is copied first
+    blocks: list[int] = field(default_factory=list)
+    copy_block: list[int] = field(default_factory=list)
 
     def to_wire(self) -> list[Any]:
         """The msgpack array form."""
@@ -54,6 +58,8 @@ class NewRequest:
             self.grammar,
             self.cached_from,
             self.num_cached_tokens,
+            self.blocks,
+            self.copy_block,
         ]
 
     @classmethod
@@ -112,6 +118,8 @@ class RankStepPlan:
     decode_launches: list[list[int]] = field(default_factory=list)
     prefill: list[list[PrefillChunk]] = field(default_factory=list)
     stops: list[SlotStop] = field(default_factory=list)
+    # a cache of blocks: [slot, first entry, blocks] for running requests that grow
+    blocks: list[list[Any]] = field(default_factory=list)
 
     def encode(self) -> bytes:
         """msgpack bytes of the plan."""
@@ -125,6 +133,7 @@ class RankStepPlan:
                 self.decode_launches,
                 [[c.to_wire() for c in launch] for launch in self.prefill],
                 [[s.slot, s.request_id, s.finish_reason, s.admission] for s in self.stops],
+                self.blocks,
             ]
         )
 
@@ -132,7 +141,9 @@ class RankStepPlan:
     def decode(cls, raw: bytes) -> RankStepPlan:
         """A plan from its bytes; ValueError if they are not one."""
         try:
-            epoch, step, rank, incarnation, news, decode, prefill, stops = msgpack.unpackb(raw)
+            epoch, step, rank, incarnation, news, decode, prefill, stops, blocks = msgpack.unpackb(
+                raw
+            )
             return cls(
                 epoch,
                 step,
@@ -142,6 +153,7 @@ class RankStepPlan:
                 decode,
                 [[PrefillChunk.from_wire(c) for c in launch] for launch in prefill],
                 [SlotStop(*s) for s in stops],
+                blocks,
             )
         except (ValueError, TypeError, KeyError) as exc:
             raise ValueError(f"not a step plan: {exc}") from exc

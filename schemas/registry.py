@@ -58,6 +58,7 @@ class RankField:
     PACKS = "packs"  # "1": it runs packed prefill launches
     PREFIX = "prefix"  # "1": its model state can copy a cached prefix between slots
     SHAPES = "shapes"  # LaunchShapes as JSON
+    KV_BLOCKS = "kv_blocks"  # cache blocks it holds (0: a slot reserves every position)
     PROGRESS = "progress"  # what a starting rank is doing, with done / total steps
     PROGRESS_DONE = "progress_done"
     PROGRESS_TOTAL = "progress_total"
@@ -98,6 +99,10 @@ class LaunchShapes:
     mtp: bool  # decode launches verify drafts (BxS2)
     expert_parallel: bool = False  # launches run the experts' collectives with every rank
     model: str = ""  # the `--model` the rank serves, as given
+    # a cache of blocks: positions a block, and the bytes of them a rank holds (0: a slot
+    # reserves every position)
+    block_size: int = 0
+    kv_cache_memory: int = 0
 
     def encode(self) -> str:
         """The `shapes` field of a rank's hash."""

@@ -9,7 +9,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from tokenizers import Tokenizer
@@ -38,8 +38,10 @@ def load_reference_model(settings: Settings) -> LoadedModel:
 
 
 def reference_runner(loaded: LoadedModel, settings: Settings) -> LaunchRunner:
-    """Launches of the same shapes as the pool's ranks, for lone-request references."""
-    return LaunchRunner(loaded.model, settings.launch_shapes())
+    """Launches of the same shapes as the pool's ranks, for lone-request references, on
+    slots that reserve every position (a pool's cache of blocks is computed another way)."""
+    shapes = replace(settings.launch_shapes(), block_size=0, kv_cache_memory=0)
+    return LaunchRunner(loaded.model, shapes)
 
 
 def reference(

@@ -1,8 +1,10 @@
-"""Prefix caching is exact (docs/architecture.md §3b): requests whose prompts start with
-blocks another request computed skip those blocks' prefill, copied from a running
-request's slot or found in a freed one, and get the tokens and logprobs they get with
-prefix caching off, bit for bit: greedy and seeded sampling, with and without MTP, for
-Llama and DeepSeek-V3. The planner and a rank run in this process, as the pool runs them."""
+"""Prefix caching is exact (docs/architecture.md §3b, §3c): requests whose prompts start
+with blocks another request computed skip those blocks' prefill, copied from a running
+request's slot or found in a freed one (or, in a cache of blocks, holding the same blocks),
+and get the tokens and logprobs they get with prefix caching off, bit for bit: greedy and
+seeded sampling, with and without MTP, for Llama and DeepSeek-V3. A cache of blocks too
+small for every request at once preempts and resumes them with the same tokens. The
+planner and a rank run in this process, as the pool runs them."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from batcher.dispatch import rank_plans
 from batcher.intake import Tracked
 from batcher.outcomes import apply_result
 from batcher.prefix import block_keys
-from batcher.scheduler import PlannerConfig, PoolState, Sequence, plan_step
+from batcher.scheduler import PlannerConfig, PoolState, Sequence, join_rank, plan_step
 from npu_worker.runner import LaunchRunner
 from npu_worker.weights.loader import LoadedModel, load_model
 from npu_worker.weights.presets import resolve_model_dir
@@ -39,6 +41,9 @@ class Served:
     cached: dict[str, int] = field(default_factory=dict)
     copied: int = 0  # hits copied from another slot
     in_place: int = 0  # hits found in the slot they took
+    shared: int = 0  # hits holding another request's blocks (a cache of blocks)
+    preempted: int = 0  # requests preempted for want of blocks
+    most_running: int = 0
 
 
 def workload(vocab_size: int) -> list[tuple[int, list[int], SamplingParams]]:
@@ -70,7 +75,20 @@ def workload(vocab_size: int) -> list[tuple[int, list[int], SamplingParams]]:
     return requests
 
 
-def serve(loaded: LoadedModel, prefix_caching: bool, mtp: bool) -> Served:
+def serve(
+    loaded: LoadedModel,
+    prefix_caching: bool,
+    mtp: bool,
+    blocks: int = 0,
+    block_size: int = 128,
+    requests: list[tuple[int, list[int], SamplingParams]] | None = None,
+) -> Served:
+    """Serve the workload (or `requests`) on one rank: slots reserving every position, or
+    a cache of `blocks` blocks of `block_size` tokens."""
+    memory = None
+    if blocks:
+        per_token = loaded.model.new_state(1, block_size, block_size, 1).bytes_per_token
+        memory = blocks * block_size * per_token
     settings = Settings(
         model="tiny",
         device="cpu",
@@ -80,35 +98,59 @@ def serve(loaded: LoadedModel, prefix_caching: bool, mtp: bool) -> Served:
         prefill_slots=2,
         mtp=mtp,
         prefix_caching=prefix_caching,
+        block_size=block_size,
+        kv_cache_memory=memory,
     )
     runner = LaunchRunner(loaded.model, settings.launch_shapes())
-    assert runner.prefix_cacheable
+    assert runner.prefix_cacheable and runner.kv_blocks == blocks
     rank = LocalRank(runner, loaded.tokenizer, (), MAX_MODEL_LEN)
     config = PlannerConfig(
-        1, 64, 6, 4, 128, 2, pack_prefill=True, prefix_caching=prefix_caching, mtp=mtp
+        1,
+        64,
+        6,
+        4,
+        128,
+        2,
+        pack_prefill=True,
+        prefix_caching=prefix_caching,
+        mtp=mtp,
+        block_size=block_size,
+        paged=bool(blocks),
+        max_kv_len=settings.max_kv_len,
     )
     state = PoolState(config)
-    pending = workload(loaded.config.vocab_size)
+    join_rank(state, 0, blocks)
+    pending = requests if requests is not None else workload(loaded.config.vocab_size)
     tracked: dict[str, Tracked] = {}
     served = Served()
-    for step in range(1, 400):
+
+    def queue(name: str, order: int, admission: int) -> None:
+        entry = tracked[name]
+        context = entry.prompt_ids + entry.resumed_ids
+        left = entry.request.sampling.max_tokens - len(entry.resumed_ids)
+        seq = Sequence(name, len(context), left, order)
+        seq.admission = admission
+        seq.block_keys = block_keys(context, config.block_size, "tiny")
+        state.waiting.append(seq)
+
+    for step in range(1, 2000):
         for order, (arrival, prompt, sampling) in enumerate(pending):
             name = f"r{order}"
             if arrival <= step and name not in tracked:
                 request = GenerateRequest(id=name, prompt_token_ids=prompt, sampling=sampling)
                 tracked[name] = Tracked(b"0-1", "s", request, prompt)
-                seq = Sequence(name, len(prompt), MAX_TOKENS, order)
-                seq.admission = 1
-                seq.block_keys = block_keys(prompt, config.block_size, "tiny")
-                state.waiting.append(seq)
                 served.tokens[name], served.logprobs[name] = [], []
+                queue(name, order, 1)
         if len(tracked) == len(pending) and not (state.waiting or state.running):
             return served
         plan = plan_step(state)
         for seq in plan.admitted:
-            if seq.num_cached:
+            if seq.num_cached and blocks:
+                served.shared += 1
+            elif seq.num_cached:
                 served.in_place += seq.cached_from == seq.slot
                 served.copied += seq.cached_from != seq.slot
+        served.most_running = max(served.most_running, len(state.running))
         for rank_plan in rank_plans(plan, tracked, 0, step, settings):
             out = rank.execute(rank_plan)
             for chunk in out.chunks:
@@ -116,14 +158,25 @@ def serve(loaded: LoadedModel, prefix_caching: bool, mtp: bool) -> Served:
                 served.logprobs[chunk.id] += chunk.logprobs or []
                 if chunk.usage is not None:
                     served.cached[chunk.id] = chunk.usage.cached_tokens
-            apply_result(state, out.result)
+            applied = apply_result(state, out.result)
+            for name in applied.released:  # preempted: it resumes after what it published
+                served.preempted += 1
+                entry = tracked[name]
+                entry.resumed_ids = list(served.tokens[name])
+                entry.start_seq += 1
+                queue(name, int(name[1:]), step + 1)
     raise AssertionError("the requests never finished")
 
 
-def check_exact(loaded: LoadedModel, mtp: bool) -> None:
+def check_exact(loaded: LoadedModel, mtp: bool, blocks: int = 0) -> None:
+    """Hits against misses; in a cache of `blocks` blocks, the hits against misses in
+    slots that reserve every position."""
     miss = serve(loaded, prefix_caching=False, mtp=mtp)
-    hit = serve(loaded, prefix_caching=True, mtp=mtp)
-    assert hit.copied >= 3 and hit.in_place >= 3, (hit.copied, hit.in_place)
+    hit = serve(loaded, prefix_caching=True, mtp=mtp, blocks=blocks)
+    if blocks:
+        assert hit.shared >= 6, hit.shared
+    else:
+        assert hit.copied >= 3 and hit.in_place >= 3, (hit.copied, hit.in_place)
     assert sum(miss.cached.values()) == 0
     recompute = 1 if mtp else 0
     assert hit.cached["r1"] == 256 - recompute  # two blocks, copied from r0's running slot
@@ -156,6 +209,44 @@ def test_llama_hits_with_mtp_give_the_tokens_and_logprobs_of_misses(tiny_mtp: Lo
     check_exact(tiny_mtp, mtp=True)
 
 
+@pytest.mark.fast
+@pytest.mark.parametrize("mtp", [False, True])
+def test_llama_hits_holding_shared_blocks_give_the_tokens_and_logprobs_of_misses(
+    tiny: LoadedModel, tiny_mtp: LoadedModel, mtp: bool
+) -> None:
+    check_exact(tiny_mtp if mtp else tiny, mtp=mtp, blocks=40)
+
+
+@pytest.mark.parametrize("mtp", [False, True])
+def test_requests_preempted_for_blocks_resume_with_the_tokens_of_lone_runs(
+    tiny: LoadedModel, tiny_mtp: LoadedModel, mtp: bool
+) -> None:
+    """Six requests that together outgrow a cache of 14 blocks of 16 tokens (each alone
+    fits): the least urgent give their blocks back and resume later, recomputing what is
+    not cached; every token and logprob is what slots reserving every position give."""
+    loaded = tiny_mtp if mtp else tiny
+    rng = random.Random(11)
+    vocab = loaded.config.vocab_size
+    requests = []
+    for i in range(6):
+        sampled = i % 2 == 1
+        sampling = SamplingParams(
+            max_tokens=40,
+            ignore_eos=True,
+            logprobs=2,
+            temperature=0.9 if sampled else 0.0,
+            seed=500 + i if sampled else None,
+        )
+        requests.append((1 + i // 3, random_prompt(rng, rng.randrange(18, 40), vocab), sampling))
+    alone = serve(loaded, prefix_caching=False, mtp=mtp, requests=requests)
+    tight = serve(loaded, True, mtp, blocks=14, block_size=16, requests=requests)
+    assert tight.preempted >= 2, tight.preempted
+    for name, tokens in alone.tokens.items():
+        assert len(tokens) == 40
+        assert tight.tokens[name] == tokens, name
+        assert tight.logprobs[name] == alone.logprobs[name], name
+
+
 @pytest.fixture(scope="module")
 def deepseek_v3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     make = pytest.importorskip("npu_worker.weights.makers.deepseek_v3")
@@ -170,6 +261,7 @@ def test_deepseek_v3_hits_give_the_tokens_and_logprobs_of_misses(
 ) -> None:
     loaded = load_model(deepseek_v3, "float32", torch.device("cpu"), MAX_MODEL_LEN, mtp=mtp)
     check_exact(loaded, mtp=mtp)
+    check_exact(loaded, mtp=mtp, blocks=40)
 
 
 def test_deepseek_v4_state_refuses_to_share_a_prefix() -> None:

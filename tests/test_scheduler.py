@@ -341,6 +341,8 @@ def test_lockstep_pads_every_rank_to_the_same_number_of_launches() -> None:
             "tenants",
             "prefix_caching",
             "mtp",
+            "paged",
+            "max_kv_len",
         )
     ],
 )
@@ -348,6 +350,11 @@ def test_lockstep_pads_every_rank_to_the_same_number_of_launches() -> None:
 def test_config_rejects_limits_below_one(name: str, value: int) -> None:
     with pytest.raises(ValueError, match=f"{name} must be >= 1, got {value}"):
         make_config(**{name: value})
+
+
+def test_config_of_blocks_needs_the_positions_a_request_may_reach() -> None:
+    with pytest.raises(ValueError, match="max_kv_len 0 holds no block of 128"):
+        make_config(paged=True)
 
 
 def test_config_rejects_a_negative_decode_stall() -> None:

@@ -67,7 +67,7 @@ class RotaryAttention:
     ) -> torch.Tensor:
         """q [B, S, H, D], k and v [B, S, Hkv, D] before rotation; returns [B, S, H, D]."""
         q, k = rotate_half(q, cos, sin), rotate_half(k, cos, sin)
-        keys, values, visible = cached_keys(cache.k[layer], cache.v[layer], k, v, launch)
+        keys, values, visible = cached_keys(cache, layer, k, v, launch)
         return attend(q, keys, values, visible, self.num_kv_heads)
 
 
@@ -90,7 +90,7 @@ class CacheAttention:
         launch: LaunchInputs,
     ) -> torch.Tensor:
         """q [B, S, H, D], k [B, S, Hkv, D], v [B, S, Hkv, Dv]; returns [B, S, H, Dv]."""
-        keys, values, visible = cached_keys(cache.k[layer], cache.v[layer], k, v, launch)
+        keys, values, visible = cached_keys(cache, layer, k, v, launch)
         return attend(q, keys, values, visible, self.num_kv_heads, scale=self.scale)
 
 

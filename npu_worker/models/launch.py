@@ -38,6 +38,7 @@ class LaunchInputs:
     token_segments: torch.Tensor | None = None  # [S], packed launches only
     packed_keys: torch.Tensor | None = None  # [3, K]: key slots, positions, segments (eager)
     rows: tuple[torch.Tensor, torch.Tensor] | None = None  # token_rows(), once per launch
+    tables: torch.Tensor | None = None  # a cache of blocks: the rows' block tables, once
 
     @property
     def packed(self) -> bool:
@@ -76,6 +77,14 @@ class ModelState(Protocol):
     # whether a slot's first positions can be copied to another (prefix caching): the
     # state is one entry per position, each a function of the tokens up to it
     prefix_cacheable: bool
+    # whether the state is a pool of blocks the planner hands out (KVCache's `num_blocks`)
+    paged: bool
+    num_blocks: int
+
+    @property
+    def bytes_per_token(self) -> int:
+        """State bytes one position takes."""
+        ...
 
     @property
     def scratch_position(self) -> int:
@@ -86,11 +95,26 @@ class ModelState(Protocol):
         """Slot `target` takes slot `source`'s state for positions [0, num_tokens)."""
         ...
 
+    def assign(self, slot: int, start: int, blocks: list[int]) -> None:
+        """A slot's block table from entry `start` on (a state of blocks only)."""
+        ...
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Each pair's target block takes its source block's entries (blocks only)."""
+        ...
+
 
 class KVCache:
-    """Per-layer K and V buffers [slots, kv_heads, positions + 1, dim], allocated once.
+    """Per-layer K and V buffers, allocated once, in one of two layouts.
 
-    The extra last position is scratch: padding rows write there, and no query reads it.
+    - **A slot a request** (`num_blocks` 0): [slots, kv_heads, positions + 1, dim], each slot
+      reserving every position. The extra last position is scratch: padding rows write
+      there, and no query reads it.
+    - **Blocks** (`num_blocks` > 0): [num_blocks + 1, kv_heads, block_size, dim], a pool the
+      pool's planner hands out `block_size` positions at a time. Slot s's position p lies
+      in block `tables[s, p // block_size]`; every table's last column (the scratch
+      position's) and every block not handed out name block `num_blocks`, the scratch.
+
     A latent cache (DeepSeek's MLA) keeps one buffer per layer: its values are the first
     `value_dim` channels of its keys (`values_in_keys`), so V is a view, not a copy.
     """
@@ -106,8 +130,22 @@ class KVCache:
         device: torch.device,
         value_dim: int | None = None,
         values_in_keys: bool = False,
+        block_size: int = 0,
+        num_blocks: int = 0,
     ) -> None:
-        shape = (num_slots, num_kv_heads, max_kv_len + 1, key_dim)
+        self.paged = num_blocks > 0
+        if self.paged:
+            if block_size < 1 or max_kv_len % block_size:
+                raise ValueError(f"block_size {block_size} must divide {max_kv_len} positions")
+            shape = (num_blocks + 1, num_kv_heads, block_size, key_dim)
+            width = max_kv_len // block_size + 1
+            self.tables = torch.full((num_slots, width), num_blocks, dtype=torch.long)
+        else:
+            shape = (num_slots, num_kv_heads, max_kv_len + 1, key_dim)
+            block_size = max_kv_len + 1
+            self.tables = torch.arange(num_slots, dtype=torch.long)[:, None]
+        self.tables = self.tables.to(device)
+        self.block_size, self.num_blocks = block_size, num_blocks
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         value_dim = key_dim if value_dim is None else value_dim
         if values_in_keys:
@@ -121,16 +159,59 @@ class KVCache:
 
     prefix_cacheable = True
 
+    def locate(
+        self, slots: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where (slot, position) pairs lie: the first two indices of a buffer's entry."""
+        if not self.paged:
+            return slots, positions
+        return self.tables[slots, positions // self.block_size], positions % self.block_size
+
+    def spans(self, buffer: torch.Tensor, slots: torch.Tensor, span: int) -> torch.Tensor:
+        """[B, Hkv, span, D]: positions [0, span) of each of `slots`' entries in `buffer`
+        (one layer's K or V), in place where the layout allows a view."""
+        if not self.paged:
+            return buffer[slots, :, :span]
+        blocks = self.tables[slots, : -(-span // self.block_size)]  # [B, n]
+        gathered = buffer[blocks]  # [B, n, Hkv, block, D]
+        batch, count, heads, block, dim = gathered.shape
+        rows = gathered.transpose(1, 2).reshape(batch, heads, count * block, dim)
+        return rows[:, :, :span]
+
+    def assign(self, slot: int, start: int, blocks: list[int]) -> None:
+        """Slot `slot`'s table from entry `start` on names `blocks` (a new request's from 0,
+        which first clears the rest)."""
+        row = self.tables[slot]
+        if start == 0:
+            row[:-1] = self.num_blocks
+        row[start : start + len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Block `target` takes block `source`'s entries, every layer's, for each pair."""
+        if not pairs:
+            return
+        source = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=self.device)
+        target = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=self.device)
+        views = self.v[0].data_ptr() == self.k[0].data_ptr()
+        for k, v in zip(self.k, self.v):
+            k[target] = k[source]
+            if not views:
+                v[target] = v[source]
+
     def copy_prefix(self, source: int, target: int, num_tokens: int) -> None:
         """Slot `target` takes slot `source`'s keys and values for positions
         [0, num_tokens), every layer's (a latent cache's values are in its keys)."""
         if source == target or num_tokens <= 0:
             return
+        positions = torch.arange(num_tokens, device=self.device)
+        to_slot = torch.full_like(positions, target)
+        at = self.locate(torch.full_like(positions, source), positions)
+        to = self.locate(to_slot, positions)
         views = self.v[0].data_ptr() == self.k[0].data_ptr()
         for k, v in zip(self.k, self.v):
-            k[target, :, :num_tokens] = k[source, :, :num_tokens]
+            k[to[0], :, to[1]] = k[at[0], :, at[1]]
             if not views:
-                v[target, :, :num_tokens] = v[source, :, :num_tokens]
+                v[to[0], :, to[1]] = v[at[0], :, at[1]]
 
     @property
     def bytes_per_token(self) -> int:
@@ -169,8 +250,12 @@ class LaunchModel(nn.Module, Generic[State]):
     packs = True  # its prefill launches may carry several requests' segments
     head_key = "lm_head.weight"  # the checkpoint's output head
 
-    def new_state(self, num_slots: int, max_kv_len: int) -> State:
-        """The state every launch of this model reads and writes, allocated once."""
+    def new_state(
+        self, num_slots: int, max_kv_len: int, block_size: int = 0, num_blocks: int = 0
+    ) -> State:
+        """The state every launch of this model reads and writes, allocated once: a slot
+        reserving `max_kv_len` positions per request, or (`num_blocks` > 0, where the state
+        is a KV cache) a pool of blocks of `block_size` positions the planner hands out."""
         raise NotImplementedError
 
     def forward(self, launch: LaunchInputs, state: State) -> LaunchOutput:

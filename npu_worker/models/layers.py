@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from npu_worker.models.launch import LaunchInputs
+from npu_worker.models.launch import KVCache, LaunchInputs
 
 
 class RMSNorm(nn.Module):
@@ -38,40 +38,39 @@ class RMSNorm(nn.Module):
 
 
 def cached_keys(
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    cache: KVCache,
+    layer: int,
     k: torch.Tensor,
     v: torch.Tensor,
     launch: LaunchInputs,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Write a launch's K/V [B, S, Hkv, D] into one layer's cache [slots, Hkv, positions, D]
-    and return the keys and values its queries attend over, [B, Hkv, span, D], with which
-    of them each query sees, [B, S, span]: the rows' slots read in place (a window of
-    consecutive slots) or gathered, up to the launch's span; packed launches per segment."""
+    """Write a launch's K/V [B, S, Hkv, D] into one layer of the cache and return the keys
+    and values its queries attend over, [B, Hkv, span, D], with which of them each query
+    sees, [B, S, span]: the rows' slots read in place (a window of consecutive slots) or
+    gathered (from their blocks, in a cache of blocks), up to the launch's span; packed
+    launches per segment."""
     if launch.packed:
-        return packed_keys(k_cache, v_cache, k, v, launch)
-    write_cache(k_cache, v_cache, k, v, launch)
-    if launch.window_start is not None:
+        return packed_keys(cache, layer, k, v, launch)
+    write_cache(cache, layer, k, v, launch)
+    k_cache, v_cache = cache.k[layer], cache.v[layer]
+    if launch.window_start is not None and not cache.paged:
         window = slice(launch.window_start, launch.window_start + k.shape[0])
         keys = k_cache[window, :, : launch.span]
         values = v_cache[window, :, : launch.span]
     else:
-        keys = k_cache[launch.slot_ids, :, : launch.span]
-        values = v_cache[launch.slot_ids, :, : launch.span]
+        keys = cache.spans(k_cache, launch.slot_ids, launch.span)
+        values = cache.spans(v_cache, launch.slot_ids, launch.span)
     return keys, values, causal_mask(launch.positions, launch.span)
 
 
 def write_cache(
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    launch: LaunchInputs,
+    cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor, launch: LaunchInputs
 ) -> None:
     """Write an unpacked launch's K/V [B, S, Hkv, D] at its rows' slots and positions."""
-    rows = launch.slot_ids[:, None]
-    k_cache[rows, :, launch.positions] = k.to(k_cache.dtype)
-    v_cache[rows, :, launch.positions] = v.to(v_cache.dtype)
+    k_cache, v_cache = cache.k[layer], cache.v[layer]
+    rows, at = cache.locate(launch.slot_ids[:, None], launch.positions)
+    k_cache[rows, :, at] = k.to(k_cache.dtype)
+    v_cache[rows, :, at] = v.to(v_cache.dtype)
 
 
 def causal_mask(positions: torch.Tensor, span: int) -> torch.Tensor:
@@ -81,8 +80,8 @@ def causal_mask(positions: torch.Tensor, span: int) -> torch.Tensor:
 
 
 def packed_keys(
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    cache: KVCache,
+    layer: int,
     k: torch.Tensor,
     v: torch.Tensor,
     launch: LaunchInputs,
@@ -90,19 +89,23 @@ def packed_keys(
     """Write a packed launch's K/V into each token's own slot, then lay every segment's
     slot side by side as one row of keys, visible only to that segment's tokens."""
     assert launch.segment_slots is not None and launch.token_segments is not None
+    k_cache, v_cache = cache.k[layer], cache.v[layer]
     segments, span = launch.segment_slots, launch.span
-    token_slots = segments[launch.token_segments]
     positions = launch.positions[0]
-    k_cache[token_slots, :, positions] = k[0].to(k_cache.dtype)
-    v_cache[token_slots, :, positions] = v[0].to(v_cache.dtype)
+    rows, at = cache.locate(segments[launch.token_segments], positions)
+    k_cache[rows, :, at] = k[0].to(k_cache.dtype)
+    v_cache[rows, :, at] = v[0].to(v_cache.dtype)
     if launch.packed_keys is not None:  # exactly the keys the segments see
         key_slots, key_positions, key_segments = launch.packed_keys
-        keys = k_cache[key_slots, :, key_positions].transpose(0, 1)
-        values = v_cache[key_slots, :, key_positions].transpose(0, 1)
+        key_rows, key_at = cache.locate(key_slots, key_positions)
+        keys = k_cache[key_rows, :, key_at].transpose(0, 1)
+        values = v_cache[key_rows, :, key_at].transpose(0, 1)
     else:  # every segment's slot over the whole span, side by side (fixed shapes)
         num_segments, num_kv_heads, head_dim = len(segments), k_cache.shape[1], k_cache.shape[3]
-        keys = k_cache[segments, :, :span].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)
-        values = v_cache[segments, :, :span].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)
+        keys = cache.spans(k_cache, segments, span).transpose(0, 1)
+        values = cache.spans(v_cache, segments, span).transpose(0, 1)
+        keys = keys.reshape(num_kv_heads, -1, head_dim)
+        values = values.reshape(num_kv_heads, -1, values.shape[-1])
         key_positions = torch.arange(span, device=k.device).repeat(num_segments)
         key_segments = torch.arange(num_segments, device=k.device).repeat_interleave(span)
     visible = (key_segments[None, :] == launch.token_segments[:, None]) & (

@@ -52,15 +52,15 @@ class KernelAttention(RotaryAttention):
         ):
             q, k = rotate_half(q, cos, sin), rotate_half(k, cos, sin)
             if launch.packed:
-                slots, positions = launch.token_rows()
-                k_cache[slots, :, positions] = k[0].to(k_cache.dtype)
-                v_cache[slots, :, positions] = v[0].to(v_cache.dtype)
+                rows, at = cache.locate(*launch.token_rows())
+                k_cache[rows, :, at] = k[0].to(k_cache.dtype)
+                v_cache[rows, :, at] = v[0].to(v_cache.dtype)
             else:
-                write_cache(k_cache, v_cache, k, v, launch)
-            return kernel_attention(library, q, k_cache, v_cache, launch)
+                write_cache(cache, layer, k, v, launch)
+            return kernel_attention(library, q, cache, layer, launch)
         batch, seq, heads, dim = q.shape
         tokens = batch * seq
-        slots, positions = launch.token_rows()
+        slots, positions = cache.locate(*launch.token_rows())
         library.rope_store(
             q.view(tokens, heads, dim),
             k.view(tokens, self.num_kv_heads, dim),
@@ -72,7 +72,7 @@ class KernelAttention(RotaryAttention):
             slots,
             positions,
         )
-        return kernel_attention(library, q, k_cache, v_cache, launch)
+        return kernel_attention(library, q, cache, layer, launch)
 
 
 class KernelCacheAttention(CacheAttention):
@@ -99,16 +99,16 @@ class KernelCacheAttention(CacheAttention):
             return super().__call__(q, k, v, cache, layer, launch)
         values_in_keys = v_cache.data_ptr() == k_cache.data_ptr()
         if launch.packed:
-            slots, positions = launch.token_rows()
-            k_cache[slots, :, positions] = k[0].to(k_cache.dtype)
+            rows, at = cache.locate(*launch.token_rows())
+            k_cache[rows, :, at] = k[0].to(k_cache.dtype)
             if not values_in_keys:
-                v_cache[slots, :, positions] = v[0].to(v_cache.dtype)
+                v_cache[rows, :, at] = v[0].to(v_cache.dtype)
         else:
-            rows = launch.slot_ids[:, None]
-            k_cache[rows, :, launch.positions] = k.to(k_cache.dtype)
+            rows, at = cache.locate(launch.slot_ids[:, None], launch.positions)
+            k_cache[rows, :, at] = k.to(k_cache.dtype)
             if not values_in_keys:
-                v_cache[rows, :, launch.positions] = v.to(v_cache.dtype)
-        return kernel_attention(self.library, q, k_cache, v_cache, launch, self.scale)
+                v_cache[rows, :, at] = v.to(v_cache.dtype)
+        return kernel_attention(self.library, q, cache, layer, launch, self.scale)
 
 
 def token_major(x: torch.Tensor) -> bool:
@@ -126,19 +126,27 @@ def token_major(x: torch.Tensor) -> bool:
 def kernel_attention(
     library: CpuKernels,
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    cache: KVCache,
+    layer: int,
     launch: LaunchInputs,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """The kernel's attention of q [B, S, H, D] over a cache that holds the launch's K/V,
-    scores scaled by `scale` (default D^-0.5)."""
+    """The kernel's attention of q [B, S, H, D] over a cache layer that holds the launch's
+    K/V, scores scaled by `scale` (default D^-0.5); in a cache of blocks each row reads
+    its own blocks in its table's order."""
     batch, seq, heads, head_dim = q.shape
     scale = head_dim**-0.5 if scale is None else scale
-    if not launch.packed and seq <= DECODE_KERNEL_MAX_SEQ:  # a row's queries share its keys
-        return library(q, k_cache, v_cache, launch.slot_ids, launch.positions, launch.span, scale)
+    k_cache, v_cache = cache.k[layer], cache.v[layer]
+    by_row = not launch.packed and seq <= DECODE_KERNEL_MAX_SEQ  # a row's queries share keys
+    slots, positions = (launch.slot_ids, launch.positions) if by_row else launch.token_rows()
+    tables = None
+    if cache.paged:  # the rows' tables, once a launch
+        if launch.tables is None:
+            launch.tables = cache.tables[slots]
+        tables = launch.tables
+    if by_row:
+        return library(q, k_cache, v_cache, slots, positions, launch.span, scale, tables)
     # prefill: each token a row of its own, so it sees exactly its own prefix
-    slots, positions = launch.token_rows()
     rows = q.reshape(batch * seq, 1, heads, head_dim)
-    out = library(rows, k_cache, v_cache, slots, positions[:, None], launch.span, scale)
+    out = library(rows, k_cache, v_cache, slots, positions[:, None], launch.span, scale, tables)
     return out.view(batch, seq, heads, -1)

@@ -94,16 +94,21 @@ void score_keys64_avx2(const float *q, int n, const char *k, int64_t k_step, int
 }
 
 /* 32 channels of `NQ` queries' weighted sums over keys 0..n, in order of the keys, into
-   acc (rows `acc_step` apart, in channel order) */
+   acc (rows `acc_step` apart, in channel order); value t is row t % block of v[t / block],
+   from byte `offset` on */
 static inline __attribute__((always_inline)) void values32(const float *p, int64_t p_step,
-                                                           const int NQ, int n, const char *v,
-                                                           size_t v_step, int dtype, float *acc,
+                                                           const int NQ, int n,
+                                                           const char *const *v, int block,
+                                                           size_t offset, size_t v_step,
+                                                           int dtype, float *acc,
                                                            int64_t acc_step) {
     __m256 a[VALUE_QUERIES][4];
     for (int j = 0; j < NQ; j++)
         for (int c = 0; c < 4; c++) a[j][c] = _mm256_setzero_ps();
-    for (int t = 0; t < n; t++) {
-        const char *row = v + t * v_step;
+    const char *run = n > 0 ? v[0] + offset : NULL; /* this block's rows */
+    for (int t = 0, at = 0; t < n; t++, at++) {
+        if (at == block) run = v[t / block] + offset, at = 0;
+        const char *row = run + at * v_step;
         for (int h = 0; h < 2; h++) {
             __m256 x0, x1;
             load16x2(row, dtype, 16 * h, &x0, &x1);
@@ -129,19 +134,19 @@ static inline __attribute__((always_inline)) void values32(const float *p, int64
 }
 
 /* acc[j][0..vdim) = sum over t < n of p[j][t] * value t, for `nq` queries; vdim a multiple
-   of 32, values `v_step` elements apart */
-void weigh_values_avx2(const float *p, int64_t p_step, int nq, int n, const char *v,
-                       int64_t v_step, int dtype, int vdim, float *acc) {
+   of 32, value t row t % block of block v[t / block], rows `v_step` elements apart */
+void weigh_values_avx2(const float *p, int64_t p_step, int nq, int n, const char *const *v,
+                       int block, int64_t v_step, int dtype, int vdim, float *acc) {
     size_t elem = dtype == 0 ? 4 : 2, step = (size_t)v_step * elem;
     for (int d0 = 0; d0 < vdim; d0 += 32)
         for (int j = 0; j < nq; j += VALUE_QUERIES) {
             const float *pj = p + j * p_step;
-            const char *vd = v + d0 * elem;
+            size_t at = d0 * elem;
             float *out = acc + (size_t)j * vdim + d0;
             switch (nq - j) {
-                case 1: values32(pj, p_step, 1, n, vd, step, dtype, out, vdim); break;
-                case 2: values32(pj, p_step, 2, n, vd, step, dtype, out, vdim); break;
-                default: values32(pj, p_step, 3, n, vd, step, dtype, out, vdim); break;
+                case 1: values32(pj, p_step, 1, n, v, block, at, step, dtype, out, vdim); break;
+                case 2: values32(pj, p_step, 2, n, v, block, at, step, dtype, out, vdim); break;
+                default: values32(pj, p_step, 3, n, v, block, at, step, dtype, out, vdim); break;
             }
         }
 }

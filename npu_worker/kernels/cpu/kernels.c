@@ -12,8 +12,8 @@
 #define HAVE_AVX2_ATTENTION 1 /* attention_avx2.c */
 void score_keys64_avx2(const float *q, int n, const char *k, int64_t k_step, int dtype,
                        float scale, float *scores);
-void weigh_values_avx2(const float *p, int64_t p_step, int nq, int n, const char *v,
-                       int64_t v_step, int dtype, int vdim, float *acc);
+void weigh_values_avx2(const float *p, int64_t p_step, int nq, int n, const char *const *v,
+                       int block, int64_t v_step, int dtype, int vdim, float *acc);
 #endif
 
 #define LANES 16
@@ -108,9 +108,11 @@ static inline __m512 load16(const char *row, int dtype) {
 
 /* acc[j][0..vdim) = sum over t < n of p[j][t] * value t, in order of t, for `nq` (at most
    MAX_QUERIES) queries in one pass over the values: each value row is read once, and the
-   sums stay in registers (AVX-512: 64 channels a pass) */
-static void weigh_values(const float *p, int64_t p_step, int nq, int n, const char *v,
-                         int64_t v_step, int dtype, int vdim, float *acc, float *wide) {
+   sums stay in registers (AVX-512: 64 channels a pass). Value t is row t % block of block
+   v[t / block] (rows `v_step` elements apart): the cache's blocks, in the request's order */
+static void weigh_values(const float *p, int64_t p_step, int nq, int n, const char *const *v,
+                         int block, int64_t v_step, int dtype, int vdim, float *acc,
+                         float *wide) {
     size_t elem = dtype == 0 ? 4 : 2;
     int d0 = 0;
 #ifdef __AVX512F__
@@ -121,8 +123,10 @@ static void weigh_values(const float *p, int64_t p_step, int nq, int n, const ch
             __m512 a[MAX_QUERIES][4];
             for (int j = 0; j < MAX_QUERIES; j++)
                 for (int c = 0; c < 4; c++) a[j][c] = _mm512_setzero_ps();
-            for (int t = 0; t < n; t++) {
-                const char *row = v + ((size_t)t * v_step + d0) * 2;
+            const char *run = n > 0 ? v[0] + (size_t)d0 * 2 : NULL; /* this block's rows */
+            for (int t = 0, at = 0; t < n; t++, at++) {
+                if (at == block) run = v[t / block] + (size_t)d0 * 2, at = 0;
+                const char *row = run + (size_t)at * v_step * 2;
                 __m512i w0 = _mm512_loadu_si512(row), w1 = _mm512_loadu_si512(row + 64);
                 __m512 x[4] = {_mm512_castsi512_ps(_mm512_slli_epi32(w0, 16)),
                                _mm512_castsi512_ps(_mm512_and_si512(w0, high)),
@@ -153,8 +157,10 @@ static void weigh_values(const float *p, int64_t p_step, int nq, int n, const ch
         __m512 a[MAX_QUERIES][4];
         for (int j = 0; j < MAX_QUERIES; j++)
             for (int c = 0; c < 4; c++) a[j][c] = _mm512_setzero_ps();
-        for (int t = 0; t < n; t++) {
-            const char *row = v + ((size_t)t * v_step + d0) * elem;
+        const char *run = n > 0 ? v[0] + (size_t)d0 * elem : NULL;
+        for (int t = 0, at = 0; t < n; t++, at++) {
+            if (at == block) run = v[t / block] + (size_t)d0 * elem, at = 0;
+            const char *row = run + (size_t)at * v_step * elem;
             __m512 x[4];
             for (int c = 0; c < 4; c++) x[c] = load16(row + 16 * c * elem, dtype);
             for (int j = 0; j < MAX_QUERIES; j++) {
@@ -170,7 +176,8 @@ static void weigh_values(const float *p, int64_t p_step, int nq, int n, const ch
     if (d0 == vdim) return;
     for (int j = 0; j < nq; j++) memset(acc + j * vdim + d0, 0, sizeof(float) * (vdim - d0));
     for (int t = 0; t < n; t++) {
-        const float *value = widen(v + (size_t)t * v_step * elem, dtype, vdim, wide);
+        const float *value =
+            widen(v[t / block] + (size_t)(t % block) * v_step * elem, dtype, vdim, wide);
         for (int j = 0; j < nq; j++)
             for (int d = d0; d < vdim; d++) acc[j * vdim + d] += p[j * p_step + t] * value[d];
     }
@@ -208,7 +215,9 @@ static void score_keys64_f32(const float *q, int nq, const int *n, int longest, 
     for (int j = 0; j < MAX_QUERIES; j++)
         for (int c = 0; c < 4; c++)
             qv[j][c] = j < nq ? _mm512_loadu_ps(q + j * 64 + 16 * c) : _mm512_setzero_ps();
-    for (int t = 0; t < longest; t++) {
+    int most = 0; /* keys any of the queries sees */
+    for (int j = 0; j < nq; j++) most = n[j] > most ? n[j] : most;
+    for (int t = 0; t < most; t++) {
         const float *row = (const float *)k + (size_t)t * k_step;
         __m512 x[4];
         for (int c = 0; c < 4; c++) x[c] = _mm512_loadu_ps(row + 16 * c);
@@ -309,11 +318,15 @@ static void narrow_row(const float *src, uint16_t *dst, int n) {
 
 /* one (row, KV head): its `queries` query vectors [queries, dim] (S positions x the heads
    of its group; `q` widened to float32, `qh` as stored when that is bfloat16), position
-   s's queries seeing keys 0..limit[s]-1; the outputs go to `out` in the cache's dtype */
+   s's queries seeing keys 0..limit[s]-1; key (value) t is row t % block of k[t / block]
+   (v[t / block]), rows `k_step` (`v_step`) elements apart. Each key's score is its own dot
+   product and each value sum runs in order of t, so where the blocks lie changes no bit.
+   The outputs go to `out` in the cache's dtype */
 static void attend_row(const float *q, const uint16_t *qh, int queries, const int64_t *limit,
-                       int seq, int group, const char *k, int64_t k_step, const char *v,
-                       int64_t v_step, int dtype, int dim, int vdim, float scale, char *out,
-                       int64_t out_seq_step, int64_t out_head_step, float *work) {
+                       int seq, int group, const char *const *k, const char *const *v,
+                       int block, int64_t k_step, int64_t v_step, int dtype, int dim, int vdim,
+                       float scale, char *out, int64_t out_seq_step, int64_t out_head_step,
+                       float *work) {
     int longest = 0;
     for (int s = 0; s < seq; s++) if (limit[s] > longest) longest = (int)limit[s];
     size_t elem = dtype == 0 ? 4 : 2;
@@ -331,28 +344,40 @@ static void attend_row(const float *q, const uint16_t *qh, int queries, const in
     if (blocked) {
         for (int i = 0; i < queries; i += MAX_QUERIES) {
             int nq = queries - i < MAX_QUERIES ? queries - i : MAX_QUERIES, n[MAX_QUERIES];
-            for (int j = 0; j < nq; j++) n[j] = (int)limit[(i + j) / group];
+            for (int t0 = 0; t0 < longest; t0 += block) { /* a block's keys: theirs */
+                for (int j = 0; j < nq; j++) {
+                    int left = (int)limit[(i + j) / group] - t0;
+                    n[j] = left < 0 ? 0 : left < block ? left : block;
+                }
+                const char *keys = k[t0 / block];
+                float *at = scores + (size_t)i * longest + t0;
 #ifdef __AVX512BF16__
-            if (dtype == 1)
-                score_keys64(qh + (size_t)i * dim, nq, n, longest, k, k_step, scale,
-                             scores + (size_t)i * longest, i == 0 ? v : NULL, v_step);
-            else
+                if (dtype == 1)
+                    score_keys64(qh + (size_t)i * dim, nq, n, longest, keys, k_step, scale, at,
+                                 i == 0 ? v[t0 / block] : NULL, v_step);
+                else
 #endif
-                score_keys64_f32(q + (size_t)i * dim, nq, n, longest, k, k_step, scale,
-                                 scores + (size_t)i * longest);
+                    score_keys64_f32(q + (size_t)i * dim, nq, n, longest, keys, k_step, scale,
+                                     at);
+            }
         }
         t = longest;
     }
 #elif defined(HAVE_AVX2_ATTENTION)
     if (dim == 64) {
         for (int i = 0; i < queries; i++)
-            score_keys64_avx2(q + (size_t)i * dim, (int)limit[i / group], k, k_step, dtype,
-                              scale, scores + (size_t)i * longest);
+            for (int t0 = 0; t0 < limit[i / group]; t0 += block) {
+                int left = (int)limit[i / group] - t0;
+                score_keys64_avx2(q + (size_t)i * dim, left < block ? left : block,
+                                  k[t0 / block], k_step, dtype, scale,
+                                  scores + (size_t)i * longest + t0);
+            }
         t = longest;
     }
 #endif
     for (; t < longest; t++) {
-        const float *key = widen(k + (size_t)t * k_step * elem, dtype, dim, wide);
+        const float *key =
+            widen(k[t / block] + (size_t)(t % block) * k_step * elem, dtype, dim, wide);
         for (int s = 0; s < seq; s++) {
             if (t >= limit[s]) continue;
             for (int i = s * group; i < (s + 1) * group; i++)
@@ -364,13 +389,14 @@ static void attend_row(const float *q, const uint16_t *qh, int queries, const in
             total[i] = softmax_row(scores + (size_t)i * longest, (int)limit[s], longest);
 #ifdef HAVE_AVX2_ATTENTION
     if (vdim % 32 == 0)
-        weigh_values_avx2(scores, longest, queries, longest, v, v_step, dtype, vdim, acc);
+        weigh_values_avx2(scores, longest, queries, longest, v, block, v_step, dtype, vdim,
+                          acc);
     else
 #endif
     for (int i = 0; i < queries; i += MAX_QUERIES) {
         int nq = queries - i < MAX_QUERIES ? queries - i : MAX_QUERIES;
-        weigh_values(scores + (size_t)i * longest, longest, nq, longest, v, v_step, dtype,
-                     vdim, acc + (size_t)i * vdim, wide + dim);
+        weigh_values(scores + (size_t)i * longest, longest, nq, longest, v, block, v_step,
+                     dtype, vdim, acc + (size_t)i * vdim, wide + dim);
     }
     for (int s = 0; s < seq; s++)
         for (int g = 0; g < group; g++) {
@@ -388,15 +414,19 @@ static void attend_row(const float *q, const uint16_t *qh, int queries, const in
 }
 
 /* q [B, S, H, D] and out [B, S, H, Dv], contiguous, in the cache's dtype; k, v: one layer's
-   cache with strides in elements (slot, head, position; channels contiguous); slots [B];
-   positions [B, S]: query (b, s) sees its slot's keys 0..positions[b, s], none when that
-   is at or past `span` (a padding row's scratch position) */
-int decode_attention(const void *q, const void *k, const void *v, const int64_t *slots,
-                     const int64_t *positions, void *out, int batch, int seq, int heads,
-                     int kv_heads, int dim, int vdim, int64_t k_slot, int64_t k_head,
-                     int64_t k_pos, int64_t v_slot, int64_t v_head, int64_t v_pos,
-                     int span, int dtype, float scale, int threads) {
+   cache of blocks of `block` positions, strides in elements (block, head, position; channels
+   contiguous); tables [B, width]: row b's positions p lie in block tables[b][p / block]
+   (a cache of one block a slot: tables [B, 1], block its positions); positions [B, S]:
+   query (b, s) sees its row's keys 0..positions[b, s], none when that is at or past
+   `span` (a padding row's scratch position) */
+int decode_attention(const void *q, const void *k, const void *v, const int64_t *tables,
+                     int width, int block, const int64_t *positions, void *out, int batch,
+                     int seq, int heads, int kv_heads, int dim, int vdim, int64_t k_slot,
+                     int64_t k_head, int64_t k_pos, int64_t v_slot, int64_t v_head,
+                     int64_t v_pos, int span, int dtype, float scale, int threads) {
     int group = heads / kv_heads, queries = seq * group, failed = 0;
+    int blocks = span > 0 ? (span + block - 1) / block : 1; /* a row's blocks it reads */
+    if (blocks > width) return 2;
     size_t elem = dtype == 0 ? 4 : 2;
     size_t work_floats = dim + vdim + (size_t)queries * (span > 0 ? span : 1)
                          + (size_t)queries * (vdim + 1);
@@ -406,10 +436,11 @@ int decode_attention(const void *q, const void *k, const void *v, const int64_t 
         float *qrow = malloc((size_t)queries * dim * sizeof(float));
         uint16_t *qh = malloc((size_t)queries * dim * sizeof(uint16_t));
         int64_t *limit = malloc((size_t)seq * sizeof(int64_t));
-        if (!work || !qrow || !qh || !limit) failed = 1;
+        const char **kb = malloc((size_t)blocks * 2 * sizeof(char *)), **vb = kb + blocks;
+        if (!work || !qrow || !qh || !limit || !kb) failed = 1;
         #pragma omp for schedule(static)
         for (int task = 0; task < batch * kv_heads; task++) {
-            if (!work || !qrow || !qh || !limit) continue;
+            if (!work || !qrow || !qh || !limit || !kb) continue;
             int b = task / kv_heads, h = task % kv_heads;
             for (int s = 0; s < seq; s++) {
                 int64_t position = positions[(size_t)b * seq + s];
@@ -427,12 +458,16 @@ int decode_attention(const void *q, const void *k, const void *v, const int64_t 
                         widen(src, dtype, dim, qrow + i * dim);
                     }
                 }
-            const char *kr = (const char *)k + (size_t)(slots[b] * k_slot + h * k_head) * elem;
-            const char *vr = (const char *)v + (size_t)(slots[b] * v_slot + h * v_head) * elem;
+            for (int j = 0; j < blocks; j++) { /* where the row's blocks of this head lie */
+                int64_t at = tables[(size_t)b * width + j];
+                kb[j] = (const char *)k + (size_t)(at * k_slot + h * k_head) * elem;
+                vb[j] = (const char *)v + (size_t)(at * v_slot + h * v_head) * elem;
+            }
             char *o = (char *)out + ((size_t)b * seq * heads + h * group) * vdim * elem;
-            attend_row(qrow, qh, queries, limit, seq, group, kr, k_pos, vr, v_pos, dtype, dim,
-                       vdim, scale, o, (int64_t)heads * vdim, vdim, work);
+            attend_row(qrow, qh, queries, limit, seq, group, kb, vb, block, k_pos, v_pos, dtype,
+                       dim, vdim, scale, o, (int64_t)heads * vdim, vdim, work);
         }
+        free(kb);
         free(work);
         free(qrow);
         free(qh);

@@ -64,10 +64,11 @@ class CpuKernels:
     def __init__(self, library: ctypes.CDLL) -> None:
         self.path = Path(library._name)
         self.call = library.decode_attention
-        pointers: list[type[Any]] = [ctypes.c_void_p] * 6
+        tables: list[type[Any]] = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 2
+        pointers: list[type[Any]] = [ctypes.c_void_p] * 2
         sizes: list[type[Any]] = [ctypes.c_int] * 6 + [ctypes.c_int64] * 6
         tail: list[type[Any]] = [ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int]
-        self.call.argtypes = pointers + sizes + tail
+        self.call.argtypes = tables + pointers + sizes + tail
         self.call.restype = ctypes.c_int
 
         self.store = library.rope_store
@@ -260,20 +261,28 @@ class CpuKernels:
         positions: torch.Tensor,
         span: int,
         scale: float,
+        tables: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q [B, S, H, D] over cache [slots, Hkv, positions, D]: query (b, s) sees its slot's
         keys up to `positions[b, s]`; a query at or past `span` (padding) sees none and
-        gets zeros. Returns [B, S, H, Dv] in q's dtype."""
+        gets zeros. Returns [B, S, H, Dv] in q's dtype.
+
+        With `tables` [B, width] the cache is [blocks, Hkv, block_size, D] and row b's
+        position p lies in block `tables[b, p // block_size]` (`slot_ids` unused)."""
         batch, seq, heads, dim = q.shape
         kv_heads, value_dim = k_cache.shape[1], v_cache.shape[-1]
         query = q.to(k_cache.dtype).contiguous()
-        slots, row_positions = slot_ids.contiguous(), positions.contiguous()  # held over the call
+        if tables is None:  # one block a slot: its whole run of positions
+            tables = slot_ids[:, None]
+        tables, row_positions = tables.contiguous(), positions.contiguous()  # held over the call
         out = torch.empty(batch, seq, heads, value_dim, dtype=k_cache.dtype)
         failed = self.call(
             query.data_ptr(),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
-            slots.data_ptr(),
+            tables.data_ptr(),
+            tables.shape[1],
+            k_cache.shape[2],
             row_positions.data_ptr(),
             out.data_ptr(),
             batch,
@@ -289,6 +298,8 @@ class CpuKernels:
             scale,
             torch.get_num_threads(),
         )
+        if failed == 2:
+            raise ValueError(f"span {span} reads past the {tables.shape[1]} blocks a row holds")
         if failed:
             raise MemoryError("CPU attention could not allocate its work buffers")
         return out.to(q.dtype)

@@ -271,7 +271,9 @@ class DeepseekV3CausalLM(LaunchModel[KVCache], ExpertModel):
         for moe in self.moe_layers():
             moe.gate.float()  # routing stays in float32 whatever the weights' dtype
 
-    def new_state(self, num_slots: int, max_kv_len: int) -> KVCache:
+    def new_state(
+        self, num_slots: int, max_kv_len: int, block_size: int = 0, num_blocks: int = 0
+    ) -> KVCache:
         """The latent cache: one [slots, 1, positions + 1, kv_lora_rank + qk_rope_head_dim]
         buffer per layer (and the MTP block's), values a view of its first channels."""
         weight = self.input_embeddings().weight  # the model's dtype and device
@@ -287,6 +289,8 @@ class DeepseekV3CausalLM(LaunchModel[KVCache], ExpertModel):
             weight.device,
             value_dim=c.kv_lora_rank,
             values_in_keys=True,
+            block_size=block_size,
+            num_blocks=num_blocks,
         )
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -115,8 +115,12 @@ class DeepseekV4CausalLM(LaunchModel[DeepseekV4State], ExpertModel):
         for buffer in ("main_cos", "main_sin", "compress_cos", "compress_sin"):
             setattr(self, buffer, getattr(self, buffer).float())
 
-    def new_state(self, num_slots: int, max_kv_len: int) -> DeepseekV4State:
-        """Every slot's window rings, compressed entries and compressor rings."""
+    def new_state(
+        self, num_slots: int, max_kv_len: int, block_size: int = 0, num_blocks: int = 0
+    ) -> DeepseekV4State:
+        """Every slot's window rings, compressed entries and compressor rings, each slot
+        reserving `max_kv_len` positions (its state is not kept in blocks: `num_blocks`
+        is not taken)."""
         weight = self.input_embeddings().weight  # the model's dtype and device
         return DeepseekV4State(
             self.config, num_slots, max_kv_len, weight.dtype, weight.device, self.mtp is not None

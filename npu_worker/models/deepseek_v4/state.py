@@ -98,10 +98,20 @@ class DeepseekV4State:
     # a slot's compressor rings and partial windows at a block's end are not kept apart
     # from what comes after it, so a prefix cannot be copied out of a slot
     prefix_cacheable = False
+    paged = False  # a slot reserves every position
+    num_blocks = 0
 
     def copy_prefix(self, source: int, target: int, num_tokens: int) -> None:
         """Refused: see `prefix_cacheable`."""
         raise ValueError("DeepSeek-V4's state cannot share a prefix between slots")
+
+    def assign(self, slot: int, start: int, blocks: list[int]) -> None:
+        """Refused: its state is not kept in blocks."""
+        raise ValueError("DeepSeek-V4's state is not kept in blocks")
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Refused: its state is not kept in blocks."""
+        raise ValueError("DeepSeek-V4's state is not kept in blocks")
 
     @staticmethod
     def _zeros(num_slots: int, rows: int, width: int, like: torch.Tensor) -> torch.Tensor:

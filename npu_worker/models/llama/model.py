@@ -142,7 +142,9 @@ class CausalLM(LaunchModel[KVCache]):
         self.register_buffer("rope_cos", angles.cos(), persistent=False)
         self.register_buffer("rope_sin", angles.sin(), persistent=False)
 
-    def new_state(self, num_slots: int, max_kv_len: int) -> KVCache:
+    def new_state(
+        self, num_slots: int, max_kv_len: int, block_size: int = 0, num_blocks: int = 0
+    ) -> KVCache:
         """K/V for every layer (and the MTP block's), on the weights' device and dtype."""
         weight = self.input_embeddings().weight  # the model's dtype and device
         layers = self.config.num_layers + (1 if self.mtp is not None else 0)
@@ -155,6 +157,8 @@ class CausalLM(LaunchModel[KVCache]):
             config.head_dim,
             weight.dtype,
             weight.device,
+            block_size=block_size,
+            num_blocks=num_blocks,
         )
 
     def output_head(self) -> nn.Linear:

@@ -1,0 +1,106 @@
+"""A cache of blocks (`--kv-cache-memory`): a request's positions lie in whatever blocks the
+planner handed it, in any order, and its logits are those of a slot that reserves every
+position, bit for bit, with every layer kit (docs/architecture.md §3c)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from npu_worker.runner import LaunchRunner
+from npu_worker.weights.loader import load_model
+from npu_worker.weights.makers import deepseek_v3 as v3
+from npu_worker.weights.tiny import ensure_tiny_model
+from schemas.control import PrefillChunk
+from tests.helpers import random_prompt
+from tests.reference import launch_shapes, layer_kits
+
+MAX_LEN = 256
+BLOCK = 32
+CHUNK = 64
+
+
+@pytest.fixture(scope="module")
+def tiny_v3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("blocks") / "v3"
+    v3.build(path, q_lora=True, mtp=True)
+    return path
+
+
+def runners(path: Path, kit: str, dtype: str, mtp: bool) -> tuple[LaunchRunner, LaunchRunner]:
+    """A runner whose slots reserve every position, and one over a pool of 24 blocks."""
+    loaded = load_model(path, dtype, torch.device("cpu"), MAX_LEN, mtp=mtp, kit=layer_kits()[kit]())
+    shapes = launch_shapes(3, MAX_LEN, CHUNK, 4)
+    slots = LaunchRunner(loaded.model, shapes)
+    probe = loaded.model.new_state(1, BLOCK, BLOCK, 1)
+    memory = 24 * BLOCK * probe.bytes_per_token
+    blocks = LaunchRunner(loaded.model, replace(shapes, block_size=BLOCK, kv_cache_memory=memory))
+    assert (slots.kv_blocks, blocks.kv_blocks) == (0, 24)
+    return slots, blocks
+
+
+def run(runner: LaunchRunner, prompts: list[list[int]], steps: int) -> list[torch.Tensor]:
+    """Each prompt prefilled in its own slot (two packed into one launch where the runner
+    packs), then `steps` greedy decode launches of every row: every launch's logits."""
+    out: list[torch.Tensor] = []
+    tokens: list[int] = []
+    for slot, prompt in enumerate(prompts):
+        logits = torch.empty(0)
+        for start in range(0, len(prompt), CHUNK):
+            part = prompt[start : start + CHUNK]
+            chunk = PrefillChunk(slot=slot, start=start, num_tokens=len(part))
+            logits = runner.prefill([chunk], [part]).logits[:, 0]
+            out.append(logits)
+        tokens.append(int(logits[0].argmax()))
+    lengths = [len(p) for p in prompts]
+    slots = list(range(len(prompts)))
+    for _ in range(steps):
+        logits = runner.decode(slots, tokens, lengths)
+        out.append(logits)
+        tokens = logits.argmax(-1).tolist()
+        lengths = [n + 1 for n in lengths]
+    return out
+
+
+@pytest.mark.parametrize("kit", list(layer_kits()))
+@pytest.mark.parametrize("model", ["llama", "v3"])
+def test_blocks_in_any_order_give_the_logits_of_a_slot_reserving_every_position(
+    kit: str, model: str, tiny_v3: Path
+) -> None:
+    path = ensure_tiny_model() if model == "llama" else tiny_v3
+    rng = random.Random(7)
+    prompts = [random_prompt(rng, n, 200) for n in (70, 100, 5)]
+    for dtype in ("float32", "bfloat16"):
+        slots, blocks = runners(path, kit, dtype, mtp=False)
+        order = list(range(24))
+        rng.shuffle(order)  # each request's blocks scattered over the pool, out of order
+        for slot, prompt in enumerate(prompts):
+            need = -(-(len(prompt) + 12) // BLOCK)
+            blocks.assign_blocks(slot, 0, [order.pop() for _ in range(need)])
+        want, got = run(slots, prompts, 10), run(blocks, prompts, 10)
+        assert len(want) == len(got)
+        for i, (a, b) in enumerate(zip(want, got, strict=True)):
+            assert torch.equal(a, b), f"{kit} {model} {dtype}: launch {i} differs"
+
+
+def test_a_copied_block_holds_what_its_source_held(tiny_v3: Path) -> None:
+    """`copy_blocks`: a request that starts on a shared prefix and writes into the block
+    where the prefix ends gets a copy of that block first; its logits are a lone run's."""
+    slots, blocks = runners(tiny_v3, "cpu", "bfloat16", mtp=False)
+    rng = random.Random(3)
+    shared = random_prompt(rng, 50, 200)
+    second = shared + random_prompt(rng, 30, 200)
+    blocks.assign_blocks(0, 0, [5, 9])  # positions 0..63 of the first request
+    want = run(slots, [second], 0)
+    run(blocks, [shared], 0)
+    # the second request shares block 5 (positions 0..31) and copies block 9, where its
+    # own tokens start (it takes positions 32..39 from the copy and computes 40..79)
+    blocks.copy_blocks([(9, 11)])
+    blocks.assign_blocks(1, 0, [5, 11, 12])
+    chunk = PrefillChunk(slot=1, start=40, num_tokens=len(second) - 40)
+    got = blocks.prefill([chunk], [second[40:]]).logits[:, 0]
+    assert torch.equal(got, want[-1])
