@@ -12,7 +12,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batcher.scheduler import PlannerConfig, PoolState, Sequence, StepPlan, finish, plan_step
+from batcher.scheduler import (
+    PlannerConfig,
+    PoolState,
+    Sequence,
+    StepPlan,
+    finish,
+    join_rank,
+    plan_step,
+)
 from tests.test_scheduler import DUMMY, ids
 
 pytestmark = pytest.mark.fast
@@ -79,12 +87,19 @@ def step_bound(config: PlannerConfig, arrivals: list[Arrival]) -> int:
 
 
 def simulate(
-    config: PlannerConfig, arrivals: list[Arrival], *checks: Check, max_steps: int | None = None
+    config: PlannerConfig,
+    arrivals: list[Arrival],
+    *checks: Check,
+    max_steps: int | None = None,
+    blocks: int = 0,
 ) -> Trace:
     """Run the pool until every request has finished (or `max_steps`), calling `checks` on
     every plan. A preempted request gives its slot back at the next step and re-enters with
-    its prompt plus what it generated, as the batcher resumes it."""
+    its prompt plus what it generated, as the batcher resumes it. With `blocks`, a cache of
+    that many blocks a rank."""
     state = PoolState(config)
+    for rank in range(config.num_ranks) if blocks else ():
+        join_rank(state, rank, blocks)
     pending = sorted(enumerate(arrivals), key=lambda item: (item[1].step, item[0]))
     ends: dict[str, int] = {}  # completion tokens at which each request is finished
     done: dict[str, int] = {}  # completion tokens produced before the current admission
@@ -330,3 +345,67 @@ def test_a_request_finishes_within_its_bound_however_many_more_urgent_ones_arriv
     assert trace.finished["r0"].num_prompt_tokens + trace.finished["r0"].num_planned_tokens == (
         8 + victim_tokens
     )
+
+
+def check_blocks(state: PoolState, plan: StepPlan, before: Before) -> None:
+    """A cache of blocks: held and free partition every rank's blocks, the running requests
+    hold exactly the held ones (shared ones once each), each holds its whole prompt's, and
+    every decode row the block of each position it feeds."""
+    config = state.config
+    for rank, pool in state.pools.items():
+        assert not set(pool.held) & set(pool.free)
+        assert len(pool.held) + len(pool.free) == pool.total
+        holding: dict[int, int] = {}
+        for seq in state.running.values():
+            if seq.rank == rank:
+                assert len(set(seq.blocks)) == len(seq.blocks)
+                for block in seq.blocks:
+                    holding[block] = holding.get(block, 0) + 1
+        assert holding == pool.held
+    for seq in state.running.values():
+        if not seq.stopping:
+            assert len(seq.blocks) >= state.blocks_needed(seq, seq.num_prompt_tokens)
+    for launch in plan.decode_launches:
+        for rows in launch.values():
+            for seq in rows:
+                # the token it feeds (planned before this step) lies one past the prompt's
+                # end for the first, and so on
+                fed = seq.num_prompt_tokens + seq.num_planned_tokens - 2
+                assert len(seq.blocks) * config.block_size > min(fed, config.max_kv_len - 1)
+
+
+paged_configs = st.builds(
+    PlannerConfig,
+    preempt_margin=st.none() | st.floats(0.0, 4.0),
+    pack_prefill=st.just(True),
+    prefill_segments=st.integers(1, 6),
+    num_ranks=st.integers(1, 3),
+    max_num_seqs=st.integers(1, 64),
+    kv_slots_per_rank=st.integers(1, 16),
+    decode_batch=st.integers(1, 8),
+    prefill_chunk=st.sampled_from([32, 64, 128]),
+    prefill_slots=st.integers(1, 4),
+    decode_stall_steps=st.integers(0, 3),
+    paged=st.just(True),
+    block_size=st.sampled_from([16, 32]),
+    max_kv_len=st.just(704),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(config=paged_configs, arrivals=workloads, spare=st.integers(0, 60))
+def test_a_cache_of_blocks_never_holds_a_block_twice_and_every_request_finishes(
+    config: PlannerConfig, arrivals: list[Arrival], spare: int
+) -> None:
+    """Blocks for the largest request alone (its 640 tokens, the watermark) and `spare` more:
+    requests outgrow the pool, are preempted and resume, and all finish."""
+    blocks = -(-640 // config.block_size) + 2 + spare
+    trace = simulate(
+        config,
+        arrivals,
+        check_blocks,
+        check_capacity_and_chunks,
+        max_steps=20 * step_bound(config, arrivals),
+        blocks=blocks,
+    )
+    assert sorted(trace.finished) == sorted(f"r{i}" for i in range(len(arrivals)))
