@@ -355,10 +355,10 @@ class Batcher:
             ranks = self.state.ranks | set(changes.joined)
             packs = all(self.registry.packs.get(r, False) for r in ranks)
             prefix = all(self.registry.prefix.get(r, False) for r in ranks)
-            paged = self.settings.kv_cache_memory is not None and all(
+            paged = self.settings.blocks and all(
                 self.registry.kv_blocks.get(r, 0) > 0 for r in ranks
             )
-            if self.settings.kv_cache_memory is not None and not paged:
+            if self.settings.blocks and not paged:
                 log.warning("the model's state is not kept in blocks: each slot reserves it")
             self.state.config = replace(
                 self.state.config,

@@ -132,3 +132,16 @@ def auto_dtype(
     ):
         return torch.bfloat16
     return checkpoint_dtype
+
+
+def free_memory(device: torch.device, meminfo: Path = Path("/proc/meminfo")) -> int:
+    """Bytes free on `device` now: the accelerator's free memory, or the host's available
+    memory (MemAvailable) for the CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    if device.type == "npu":
+        return int(torch.npu.mem_get_info(device)[0])  # type: ignore[attr-defined]
+    for line in meminfo.read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{meminfo} names no MemAvailable")

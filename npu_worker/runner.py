@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from npu_worker.backends import make_backend
+from npu_worker.devices import free_memory
 from npu_worker.models.launch import LaunchInputs, LaunchModel, LaunchOutput
 from npu_worker.prefill_inputs import PrefillLayout
 from npu_worker.startup import ReportProgress, no_progress
@@ -348,18 +349,26 @@ class LaunchRunner:
 
 
 def cache_blocks(model: LaunchModel[Any], shapes: LaunchShapes) -> int:
-    """Blocks of `shapes.block_size` positions that `shapes.kv_cache_memory` bytes hold for
-    the model's cache (0 without a budget, or where its state is not a KV cache)."""
-    if not shapes.kv_cache_memory:
+    """Blocks of `shapes.block_size` positions that `shapes.kv_cache_memory` bytes (or
+    `kv_cache_fraction` of the device's free memory, a CPU's split over the ranks sharing
+    it) hold for the model's cache (0 without a budget, or where its state is not a KV
+    cache)."""
+    if not (shapes.kv_cache_memory or shapes.kv_cache_fraction):
         return 0
     probe = model.new_state(1, shapes.block_size, shapes.block_size, 1)
     if not probe.paged:
         return 0
     per_block = probe.bytes_per_token * shapes.block_size
-    blocks = shapes.kv_cache_memory // per_block
+    budget = shapes.kv_cache_memory
+    if not budget:
+        free = free_memory(probe.device)
+        if probe.device.type == "cpu":
+            free //= max(1, shapes.ranks_sharing)
+        budget = int(free * shapes.kv_cache_fraction)
+    blocks = budget // per_block
     if blocks < 1:
         raise ValueError(
-            f"kv_cache_memory {shapes.kv_cache_memory} bytes holds no block of "
+            f"a cache of {budget} bytes holds no block of "
             f"{shapes.block_size} tokens ({per_block} bytes)"
         )
     return int(blocks)

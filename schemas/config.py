@@ -75,6 +75,14 @@ class Settings(BaseSettings):
         description="cache bytes per rank (e.g. 4GiB), handed out to requests in blocks of "
         "--block-size tokens as they grow; unset: each slot reserves max_model_len",
     )
+    kv_cache_fraction: float | None = Field(
+        default=None,
+        gt=0.0,
+        le=1.0,
+        description="without --kv-cache-memory: a cache of blocks in this share of the "
+        "device's free memory once the weights are loaded (the CPU's available memory "
+        "split over the pool's ranks)",
+    )
     max_model_len: int = Field(default=1024, ge=2, description="prompt + completion tokens")
     prefill_chunk: int = Field(default=128, ge=1, description="tokens per prefill launch (S)")
     prefill_slots: int = Field(default=4, ge=1, description="prefill launches per rank per step")
@@ -172,9 +180,10 @@ class Settings(BaseSettings):
             raise ValueError(f"dtype float64 is for the CPU only, not device={self.device}")
         if self.tenants is not None:
             load_tenants(self.tenants)  # a bad file stops the command that reads it, saying why
-        if self.kv_cache_memory is not None and self.prefill_chunk % self.block_size:
+        paged = self.kv_cache_memory is not None or self.kv_cache_fraction is not None
+        if paged and self.prefill_chunk % self.block_size:
             raise ValueError(
-                f"with kv_cache_memory, block_size={self.block_size} must divide "
+                f"a cache of blocks needs block_size={self.block_size} to divide "
                 f"prefill_chunk={self.prefill_chunk}"
             )
         if self.expert_parallel:
@@ -202,9 +211,16 @@ class Settings(BaseSettings):
             mtp=self.mtp,
             expert_parallel=self.expert_parallel,
             model=self.model,
-            block_size=self.block_size if self.kv_cache_memory else 0,
+            block_size=self.block_size if self.blocks else 0,
             kv_cache_memory=int(self.kv_cache_memory or 0),
+            kv_cache_fraction=0.0 if self.kv_cache_memory else self.kv_cache_fraction or 0.0,
+            ranks_sharing=self.ranks if self.blocks else 0,
         )
+
+    @property
+    def blocks(self) -> bool:
+        """Whether ranks keep their cache in blocks (a budget in bytes or in a share)."""
+        return self.kv_cache_memory is not None or self.kv_cache_fraction is not None
 
     def service_args(self) -> list[str]:
         """This configuration as command-line flags, for child processes."""

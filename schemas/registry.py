@@ -103,6 +103,8 @@ class LaunchShapes:
     # reserves every position)
     block_size: int = 0
     kv_cache_memory: int = 0
+    kv_cache_fraction: float = 0.0  # or this share of the free memory, once weights load
+    ranks_sharing: int = 0  # the pool's ranks, which share a CPU's memory
 
     def encode(self) -> str:
         """The `shapes` field of a rank's hash."""

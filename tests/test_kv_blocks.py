@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from npu_worker.devices import free_memory
 from npu_worker.runner import LaunchRunner
 from npu_worker.weights.loader import load_model
 from npu_worker.weights.makers import deepseek_v3 as v3
@@ -104,3 +105,17 @@ def test_a_copied_block_holds_what_its_source_held(tiny_v3: Path) -> None:
     chunk = PrefillChunk(slot=1, start=40, num_tokens=len(second) - 40)
     got = blocks.prefill([chunk], [second[40:]]).logits[:, 0]
     assert torch.equal(got, want[-1])
+
+
+def test_a_share_of_free_memory_sizes_the_pool_of_blocks() -> None:
+    """`--kv-cache-fraction`: the share of the host's available memory (split over the
+    pool's ranks) in blocks, measured beside the rank's own reading of /proc/meminfo."""
+    loaded = load_model(ensure_tiny_model(), "float32", torch.device("cpu"), MAX_LEN)
+    shapes = replace(launch_shapes(2, MAX_LEN, CHUNK, 4), block_size=BLOCK)
+    per_block = loaded.model.new_state(1, BLOCK, BLOCK, 1).bytes_per_token * BLOCK
+    fraction = 128 * per_block / free_memory(torch.device("cpu"))  # 64 blocks a rank
+    runner = LaunchRunner(
+        loaded.model, replace(shapes, kv_cache_fraction=fraction, ranks_sharing=2)
+    )
+    assert 40 <= runner.kv_blocks <= 90  # 64 blocks give or take what others allocate
+    assert runner.state.k[0].shape[0] == runner.kv_blocks + 1

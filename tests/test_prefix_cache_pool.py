@@ -10,9 +10,11 @@ from __future__ import annotations
 import random
 
 import openai
+import pytest
 
 from producer.client import Client
 from producer.status import collect_status
+from schemas.config import Settings
 from tests.conftest import StartGateway, StartPool
 from tests.helpers import (
     TIE_TOLERANCE,
@@ -80,11 +82,15 @@ def test_a_shared_prefix_is_served_from_the_cache_with_the_lone_runs_tokens(
     assert (found["kv_blocks_total"], found["kv_blocks_used"]) == (128, 0)
 
 
+@pytest.mark.parametrize("paged", [False, True])
 def test_a_rank_killed_holding_cached_blocks_loses_nothing_and_its_new_process_holds_none(
-    start_pool: StartPool, client: Client
+    start_pool: StartPool, client: Client, paged: bool
 ) -> None:
-    pool = start_pool(ranks=1, max_model_len=512)
-    loaded = load_reference_model(pool.settings)
+    """Slots that reserve, or a cache of blocks (40 of them)."""
+    settings = Settings(model="tiny", device="cpu", max_model_len=512)
+    loaded = load_reference_model(settings)
+    memory = 40 * 128 * loaded.model.new_state(1, 128, 128, 1).bytes_per_token
+    pool = start_pool(ranks=1, max_model_len=512, kv_cache_memory=memory if paged else None)
     runner = reference_runner(loaded, pool.settings)
     rng = random.Random(6)
     system = random_prompt(rng, 260, loaded.config.vocab_size)
@@ -106,11 +112,17 @@ def test_a_rank_killed_holding_cached_blocks_loses_nothing_and_its_new_process_h
     assert cached == 256  # the resumed request's blocks, computed by the new process
 
 
+@pytest.mark.parametrize("paged", [False, True])
 def test_two_pools_sharing_one_redis_each_compute_a_prefix_once(
-    start_pool: StartPool, client: Client
+    start_pool: StartPool, client: Client, paged: bool
 ) -> None:
-    pools = [start_pool(pool=name, max_model_len=512) for name in ("left", "right")]
-    loaded = load_reference_model(pools[0].settings)
+    """Slots that reserve, or caches of blocks (40 a pool)."""
+    loaded = load_reference_model(Settings(model="tiny", device="cpu", max_model_len=512))
+    memory = 40 * 128 * loaded.model.new_state(1, 128, 128, 1).bytes_per_token
+    pools = [
+        start_pool(pool=name, max_model_len=512, kv_cache_memory=memory if paged else None)
+        for name in ("left", "right")
+    ]
     runner = reference_runner(loaded, pools[0].settings)
     rng = random.Random(8)
     system = random_prompt(rng, 280, loaded.config.vocab_size)
