@@ -2,7 +2,8 @@
 (DeepSeek-V3's `weight_scale_inv` and V4's release `X.scale`), MXFP4 routed experts (V4's
 release) and W8A8 int8 (compressed-tensors). Each loads with its weights in their stored
 dtypes, resident bytes within 1.1x of the checkpoint's; FP8 and MXFP4 give the logits and
-tokens of a copy of the checkpoint dequantized to float32; MXFP4 dequantizes as the format
+tokens of a copy of the checkpoint dequantized to float32 (in bfloat16, those of the copy run
+on the same products, bit for bit where the kernels read them); MXFP4 dequantizes as the format
 defines it, decoded here value by value; W8A8 gives the tokens of a reference that quantizes
 activations the same way and sums in float64; a V4 release with FP4 experts serves through
 two expert-parallel ranks with each request's lone tokens; formats it cannot read fail at
@@ -22,8 +23,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from npu_worker.kernels import kit_for
-from npu_worker.kernels.cpu.layers import KernelFp8, KernelMxfp4, KernelPacked, PackedLinear
-from npu_worker.kernels.cpu.library import load_cpu_kernels
+from npu_worker.kernels.cpu import products as cpu_products
+from npu_worker.kernels.cpu.layers import (
+    CpuKit,
+    KernelFp8,
+    KernelMxfp4,
+    KernelPacked,
+    PackedLinear,
+)
+from npu_worker.kernels.cpu.library import has_kernel_linear, load_cpu_kernels
 from npu_worker.kernels.cpu.products import KernelProduct
 from npu_worker.models.config import UnsupportedModel
 from npu_worker.models.stored import Fp8Blocks, Int8Channels, Mxfp4, StoredLinear
@@ -35,6 +43,7 @@ from producer.client import Client
 from tests.conftest import StartPool
 from tests.helpers import TIE_TOLERANCE, check_stream, random_prompt
 from tests.reference import (
+    ReferenceCompletion,
     first_divergence,
     generate_alone,
     launch_shapes,
@@ -103,6 +112,24 @@ def kernels_read_stored(loaded: LoadedModel) -> bool:
     return products == {KernelProduct} and not widened
 
 
+def same_products_kit(stored: LoadedModel) -> CpuKit:
+    """A kit whose products for a dequantized copy are those `stored` runs (a bfloat16
+    model holding quantized weights): the kernels' own where they read its stored weights
+    (a plain bfloat16 model may get oneDNN's there, from the probe, whose sums are others:
+    its gated form takes silu and the product on the float32 sums, rounded once); else
+    torch's plain products, which its widened weights go through."""
+    library = load_cpu_kernels()
+    if kernels_read_stored(stored):
+        return CpuKit(library, kernel_products=True)
+    return CpuKit(library, packed_linears=False)
+
+
+def runs_alone(loaded: LoadedModel, prompts: list[list[int]]) -> list[ReferenceCompletion]:
+    """Each prompt run alone on one runner of `loaded`, 12 tokens, EOS ignored."""
+    runner = LaunchRunner(loaded.model, launch_shapes(1, MAX_MODEL_LEN, 128, 1))
+    return [generate_alone(runner, prompt, 12, set(), MAX_MODEL_LEN) for prompt in prompts]
+
+
 def prompts_for(vocab_size: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [random_prompt(rng, n, vocab_size) for n in (7, 60, 150)]
@@ -152,22 +179,24 @@ def test_quantized_weights_stay_stored_and_give_the_tokens_of_their_dequantized_
     prompts = prompts_for(vocab, 35)
     for prompt in prompts:  # the same weights, the same products: the same bits
         assert torch.equal(first_logits(loaded, prompt), first_logits(widened, prompt))
-    copy_in_bf16 = load_model(copy, "bfloat16", CPU, MAX_MODEL_LEN)
-    if kernels_read_stored(in_bf16) and kernels_read_stored(copy_in_bf16):
-        # in bfloat16 the kernels' FP8 and MXFP4 products have the bfloat16 product's bits
-        for prompt in prompts:
-            got, want = first_logits(in_bf16, prompt), first_logits(copy_in_bf16, prompt)
-            assert torch.equal(got, want)
     stored_runs = lone_runs(path, "float32", prompts, 12, MAX_MODEL_LEN)
     copy_runs = lone_runs(copy, "float32", prompts, 12, MAX_MODEL_LEN)
     for got, want in zip(stored_runs, copy_runs, strict=True):
         assert got.token_ids == want.token_ids
-    for got, want in zip(
-        lone_runs(path, "bfloat16", prompts, 12, MAX_MODEL_LEN),
-        lone_runs(copy, "bfloat16", prompts, 12, MAX_MODEL_LEN),
-        strict=True,
-    ):
-        assert first_divergence(got.token_ids, want, TIE_TOLERANCE) is None
+    # in bfloat16, the copy run on the products the stored model runs
+    copy_in_bf16 = load_model(copy, "bfloat16", CPU, MAX_MODEL_LEN, kit=same_products_kit(in_bf16))
+    bf16_runs = zip(runs_alone(in_bf16, prompts), runs_alone(copy_in_bf16, prompts), strict=True)
+    if kernels_read_stored(in_bf16):
+        # the kernels' FP8 and MXFP4 products have their bfloat16 product's bits
+        assert kernels_read_stored(copy_in_bf16)
+        for prompt in prompts:
+            got, want = first_logits(in_bf16, prompt), first_logits(copy_in_bf16, prompt)
+            assert torch.equal(got, want)
+        for got, want in bf16_runs:
+            assert got.token_ids == want.token_ids
+    else:  # torch's products over weights widened at each call; a packed head may differ
+        for got, want in bf16_runs:
+            assert first_divergence(got.token_ids, want, TIE_TOLERANCE) is None
 
 
 def test_mxfp4_weights_dequantize_as_the_format_defines_them(
@@ -334,6 +363,29 @@ def test_the_kernels_fp8_product_gives_the_bits_of_the_bfloat16_product_dequanti
             assert torch.equal(got.isnan(), want.isnan()), (outputs, inputs, rows)
             assert got[:, 1:].isfinite().all()
             assert torch.equal(got.nan_to_num(), want.nan_to_num()), (outputs, inputs, rows)
+
+
+def test_a_model_whose_stored_weights_the_kernels_read_runs_their_products_throughout(
+    checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the probe picks oneDNN's bfloat16 product, a plain bfloat16 model runs it, but
+    one whose FP8 or MXFP4 weights the kernels read as stored packs its other weights for
+    the kernels' bfloat16 product: all its products one family, summing as the stored
+    ones do."""
+    library = load_cpu_kernels()
+    if library is None or not (library.has_fp8 and library.has_mxfp4 and has_kernel_linear()):
+        pytest.skip("the kernels' FP8, MXFP4 and bfloat16 products do not run here")
+    monkeypatch.setattr(cpu_products, "kernel_products_win", lambda _: False)
+    plain = load_model(ensure_tiny_model(), "bfloat16", CPU, MAX_MODEL_LEN, kit=CpuKit(library))
+    assert not kernels_read_stored(plain)
+    for name in ("v3-fp8", "v4-fp4"):
+        stored = load_model(checkpoints[name], "bfloat16", CPU, MAX_MODEL_LEN, kit=CpuKit(library))
+        assert kernels_read_stored(stored), name
+        layers = [m for m in stored.model.modules() if isinstance(m, PackedLinear)]
+        assert any(isinstance(layer.stored, (KernelFp8, KernelMxfp4)) for layer in layers)
+    forced = CpuKit(library, kernel_products=False)  # a choice made by hand stays
+    stored = load_model(checkpoints["v3-fp8"], "bfloat16", CPU, MAX_MODEL_LEN, kit=forced)
+    assert not kernels_read_stored(stored)
 
 
 def test_a_head_packed_for_the_kernels_product_is_held_once(

@@ -346,7 +346,8 @@ class CpuKit:
     """The CPU's layers: `library` (None: not built, or turned off) runs the attention and
     norms; `packed_linears` lays bfloat16 weights out once for the product this machine
     runs best (`kernel_products`: force the kernels' own, or oneDNN's; None: the probe's
-    choice). `max_rows` is the most rows a launch passes a layer."""
+    choice, or the kernels' own in a model whose stored weights they read, `prepare`).
+    `max_rows` is the most rows a launch passes a layer."""
 
     def __init__(
         self,
@@ -419,15 +420,28 @@ class CpuKit:
         """Pack every bfloat16 weight once: groups as one weight where they can be, then
         every other linear layer on its own. Nothing where no product is there. A layer
         packed on its own for the kernels' product then lets go of its plain weight unless
-        another parameter shares it (`shared`: a tied head's), so it is held once."""
+        another parameter shares it (`shared`: a tied head's), so it is held once.
+
+        A model whose FP8 or MXFP4 weights the kernels read as stored runs the kernels'
+        bfloat16 product for its other weights too, whatever the probe chose (unless
+        `kernel_products` says otherwise): its stored products sum as that product does,
+        and oneDNN's sums (its fused gated form above all: silu and the product on the
+        float32 sums, rounded once) are others. So every product of the model is of one
+        family, and in bfloat16 it has the bits of its dequantized copy run on that
+        product."""
+        reads_stored = False
         if self.library is not None and self.packed_linears:
             for layer in self.linears:
                 if layer.dtype == torch.bfloat16 and layer.stored is not None:
                     layer.read_stored(self.library)
+                    reads_stored |= isinstance(layer.stored, (KernelMxfp4, KernelFp8))
         linears = [layer for layer in self.linears if layer.packable()]
         if not self.packed_linears or not linears:
             return
-        product = choose_product(self.library, self.kernel_products)
+        kernel_products = self.kernel_products
+        if kernel_products is None and reads_stored:
+            kernel_products = True
+        product = choose_product(self.library, kernel_products)
         if product is None:
             return
         grouped: set[int] = set()
