@@ -177,7 +177,7 @@ def test_per_slot_state_is_the_size_its_formula_says(checkpoints: dict[str, Path
     state = loaded.model.new_state(3, MAX_MODEL_LEN)
     assert isinstance(state, DeepseekV4State)
     buffers = [r.rows for r in state.window]
-    buffers += [e for e in (*state.entries, *state.index_keys) if e is not None]
+    buffers += [e.rows for e in (*state.entries, *state.index_keys) if e is not None]
     buffers += [r.rows for r in (*state.projections, *state.index_projections) if r is not None]
     allocated = sum(b.numel() * b.element_size() for b in buffers)
     assert allocated == 3 * state.bytes_per_slot

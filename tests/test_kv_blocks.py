@@ -1,6 +1,7 @@
 """A cache of blocks (`--kv-cache-memory`): a request's positions lie in whatever blocks the
 planner handed it, in any order, and its logits are those of a slot that reserves every
-position, bit for bit, with every layer kit (docs/architecture.md §3c)."""
+position, bit for bit, with every layer kit: Llama's and DeepSeek-V3's caches, and
+DeepSeek-V4's compressed entries and index keys (docs/architecture.md §3c)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from npu_worker.devices import free_memory
 from npu_worker.runner import LaunchRunner
 from npu_worker.weights.loader import load_model
 from npu_worker.weights.makers import deepseek_v3 as v3
+from npu_worker.weights.makers import deepseek_v4 as v4
 from npu_worker.weights.tiny import ensure_tiny_model
 from schemas.control import PrefillChunk
 from tests.helpers import random_prompt
@@ -29,6 +31,13 @@ CHUNK = 64
 def tiny_v3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("blocks") / "v3"
     v3.build(path, q_lora=True, mtp=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_v4(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("blocks") / "v4"
+    v4.build(path, "small", mtp=True)  # compression rates 4 and 16
     return path
 
 
@@ -68,11 +77,11 @@ def run(runner: LaunchRunner, prompts: list[list[int]], steps: int) -> list[torc
 
 
 @pytest.mark.parametrize("kit", list(layer_kits()))
-@pytest.mark.parametrize("model", ["llama", "v3"])
+@pytest.mark.parametrize("model", ["llama", "v3", "v4"])
 def test_blocks_in_any_order_give_the_logits_of_a_slot_reserving_every_position(
-    kit: str, model: str, tiny_v3: Path
+    kit: str, model: str, tiny_v3: Path, tiny_v4: Path
 ) -> None:
-    path = ensure_tiny_model() if model == "llama" else tiny_v3
+    path = {"llama": ensure_tiny_model(), "v3": tiny_v3, "v4": tiny_v4}[model]
     rng = random.Random(7)
     prompts = [random_prompt(rng, n, 200) for n in (70, 100, 5)]
     for dtype in ("float32", "bfloat16"):

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from npu_worker.models.deepseek_v4.config import CSA, DeepseekV4Config
-from npu_worker.models.deepseek_v4.state import DeepseekV4State, Ring
+from npu_worker.models.deepseek_v4.state import DeepseekV4State, Entries, Ring
 from npu_worker.models.kit import LayerKit
 from npu_worker.models.launch import LaunchInputs
 
@@ -80,12 +80,12 @@ class Compressor(nn.Module):
         x: torch.Tensor,
         at: Launch,
         ring: Ring,
-        entries: torch.Tensor,
+        entries: Entries,
         cos: torch.Tensor,
         sin: torch.Tensor,
     ) -> None:
-        """Emit into `entries` [slots, windows + 1, dim] every window the launch's tokens
-        close, then keep their projections in `ring` for windows closing later."""
+        """Emit into `entries` every window the launch's tokens close, then keep their
+        projections in `ring` for windows closing later."""
         batch, seq, _ = x.shape
         rate, length = self.rate, ring.size
         projected = torch.stack((self.wkv(x), self.wgate(x)), dim=2)  # [B, S, 2, width]
@@ -112,10 +112,9 @@ class Compressor(nn.Module):
         gate = gate.masked_fill((token_positions < 0)[..., None], float("-inf"))
         pooled = (kv * gate.softmax(dim=2)).sum(dim=2)
         starts = torch.where(valid, ends + 1 - rate, 0)
-        rows = torch.where(valid, (ends + 1) // rate - 1, entries.shape[1] - 1)
         normed = self.norm.unrounded(pooled)  # float32 to the entry, rounded once as stored
         compressed = rope_pairs(normed, cos[starts], sin[starts])
-        entries[at.slot_ids[:, None].expand_as(rows), rows] = compressed.to(entries.dtype)
+        entries.write(at.slot_ids, (ends + 1) // rate - 1, valid, compressed)
         ring.write(at.slot_ids, at.positions, projected, at.real)
 
 
@@ -230,8 +229,8 @@ class Attention(nn.Module):
         entries, projections = state.entries[self.layer], state.projections[self.layer]
         assert entries is not None and projections is not None
         self.compressor(x, at, projections, entries, compress_cos, compress_sin)
-        readable = min(-(-at.span // self.rate), entries.shape[1] - 1)
-        read = entries[at.rows, :readable]
+        readable = min(-(-at.span // self.rate), entries.count)
+        read = entries.read(at.rows, at.slot_ids, readable)
         closed = (
             torch.arange(readable, device=x.device) < (at.positions[:, :, None] + 1) // self.rate
         )
@@ -241,7 +240,8 @@ class Attention(nn.Module):
         assert keys is not None and index_projections is not None
         self.indexer.compressor(x, at, index_projections, keys, compress_cos, compress_sin)
         cos, sin = compress_cos[at.positions], compress_sin[at.positions]
-        seen = self.indexer(x, q_low, keys[at.rows, :readable], cos, sin, closed)
+        index_keys = keys.read(at.rows, at.slot_ids, readable)
+        seen = self.indexer(x, q_low, index_keys, cos, sin, closed)
         return read, seen
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:

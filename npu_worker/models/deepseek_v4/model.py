@@ -118,12 +118,18 @@ class DeepseekV4CausalLM(LaunchModel[DeepseekV4State], ExpertModel):
     def new_state(
         self, num_slots: int, max_kv_len: int, block_size: int = 0, num_blocks: int = 0
     ) -> DeepseekV4State:
-        """Every slot's window rings, compressed entries and compressor rings, each slot
-        reserving `max_kv_len` positions (its state is not kept in blocks: `num_blocks`
-        is not taken)."""
+        """Every slot's window rings, compressed entries and compressor rings (the entries
+        and index keys in a cache of blocks when `num_blocks` > 0)."""
         weight = self.input_embeddings().weight  # the model's dtype and device
         return DeepseekV4State(
-            self.config, num_slots, max_kv_len, weight.dtype, weight.device, self.mtp is not None
+            self.config,
+            num_slots,
+            max_kv_len,
+            weight.dtype,
+            weight.device,
+            self.mtp is not None,
+            block_size,
+            num_blocks,
         )
 
     def ropes(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

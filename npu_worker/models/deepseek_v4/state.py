@@ -7,6 +7,11 @@ of the last window (two, for CSA's overlapping windows), so a window that closes
 launch than it opened finds its earlier tokens there. Every buffer has one scratch row past
 the end: padding tokens write there, and nothing reads it.
 
+In a cache of blocks (`num_blocks` > 0) the entries and index keys, the state that grows
+with a request's length, live in blocks of `block_size` positions that the planner hands
+out (`block_size // rate` entries a block), read through the slot's table as the KV cache's
+are (models/launch.py); the rings, a window's worth each, stay one per slot.
+
 Every write is a function of the token at a position alone, and rows are read only where
 masks let them be seen, so state after any launches is the same however the tokens were
 split into launches, and a rejected draft leaves nothing a later launch reads: its window
@@ -52,6 +57,58 @@ class Ring:
         self.rows[slot_ids[:, None].expand_as(index), index] = values.to(self.rows.dtype)
 
 
+class Entries:
+    """One compressed layer's entries (or index keys), entry e covering positions
+    [e * rate, (e + 1) * rate): [slots, count + 1, dim], row `count` scratch; or in a cache
+    of blocks [blocks + 1, block_size // rate, dim], entry e of slot s in block
+    `tables[s, e // per_block]` at row `e % per_block`, block `blocks` scratch."""
+
+    def __init__(
+        self,
+        num_slots: int,
+        max_kv_len: int,
+        rate: int,
+        dim: int,
+        like: torch.Tensor,
+        tables: torch.Tensor | None = None,
+        block_size: int = 0,
+        num_blocks: int = 0,
+    ) -> None:
+        self.count = max_kv_len // rate
+        self.tables = tables
+        if tables is None:
+            self.per_block = self.count + 1
+            shape = (num_slots, self.count + 1, dim)
+        else:
+            self.per_block = block_size // rate
+            shape = (num_blocks + 1, self.per_block, dim)
+        self.rows = torch.zeros(shape, dtype=like.dtype, device=like.device)
+        self.scratch = num_blocks
+
+    def write(
+        self, slot_ids: torch.Tensor, index: torch.Tensor, valid: torch.Tensor, values: torch.Tensor
+    ) -> None:
+        """Store values [B, C, dim] as entries `index` [B, C] of each row's slot where
+        `valid`; the rest go to scratch."""
+        slots = slot_ids[:, None].expand_as(index)
+        if self.tables is None:
+            self.rows[slots, torch.where(valid, index, self.count)] = values.to(self.rows.dtype)
+            return
+        safe = torch.where(valid, index, 0)
+        blocks = torch.where(valid, self.tables[slots, safe // self.per_block], self.scratch)
+        at = torch.where(valid, safe % self.per_block, 0)
+        self.rows[blocks, at] = values.to(self.rows.dtype)
+
+    def read(self, rows: torch.Tensor | slice, slot_ids: torch.Tensor, count: int) -> torch.Tensor:
+        """[B, count, dim]: each launch row's first `count` entries (`rows` its slots, in
+        place where they are a window; through the tables in a cache of blocks)."""
+        if self.tables is None:
+            return self.rows[rows, :count]
+        blocks = self.tables[slot_ids, : -(-count // self.per_block)]  # [B, n]
+        held = self.rows[blocks]  # [B, n, per_block, dim]
+        return held.reshape(held.shape[0], -1, held.shape[-1])[:, :count]
+
+
 class DeepseekV4State:
     """Every layer's window ring, and in compressed layers its entries, index keys and
     projection rings, for `num_slots` slots of up to `max_kv_len` positions (a
@@ -65,27 +122,43 @@ class DeepseekV4State:
         dtype: torch.dtype,
         device: torch.device,
         mtp: bool = False,
+        block_size: int = 0,
+        num_blocks: int = 0,
     ) -> None:
         self.mtp = mtp
         num_layers = config.num_layers + (1 if mtp else 0)  # the MTP block's is last
         self.num_slots, self.max_kv_len, self.device = num_slots, max_kv_len, device
         self.config = config
         like = torch.empty(0, dtype=dtype, device=device)
+        self.paged, self.num_blocks, self.block_size = num_blocks > 0, num_blocks, block_size
+        self.tables: torch.Tensor | None = None
+        if self.paged:
+            rates = {config.rate(layer) for layer in range(num_layers)} - {0}
+            if block_size < 1 or max_kv_len % block_size or any(block_size % r for r in rates):
+                raise ValueError(
+                    f"block_size {block_size} must divide {max_kv_len} positions and be a "
+                    f"multiple of every compression rate ({sorted(rates)})"
+                )
+            width = max_kv_len // block_size + 1
+            self.tables = torch.full((num_slots, width), num_blocks, dtype=torch.long)
+            self.tables = self.tables.to(device)
+        blocks = (self.tables, block_size, num_blocks)
         d, di = config.head_dim, config.index_head_dim
         self.window = [
             Ring(num_slots, config.sliding_window + 1, (d,), like) for _ in range(num_layers)
         ]
-        self.entries: list[torch.Tensor | None] = []
-        self.index_keys: list[torch.Tensor | None] = []
+        self.entries: list[Entries | None] = []
+        self.index_keys: list[Entries | None] = []
         self.projections: list[Ring | None] = []
         self.index_projections: list[Ring | None] = []
         for layer in range(num_layers):
             rate = config.rate(layer)
             csa = config.layer_kind(layer) == CSA
-            num_entries = max_kv_len // rate if rate else 0
-            self.entries.append(self._zeros(num_slots, num_entries + 1, d, like) if rate else None)
+            self.entries.append(
+                Entries(num_slots, max_kv_len, rate, d, like, *blocks) if rate else None
+            )
             self.index_keys.append(
-                self._zeros(num_slots, num_entries + 1, di, like) if csa else None
+                Entries(num_slots, max_kv_len, rate, di, like, *blocks) if csa else None
             )
             width = 2 * d if csa else d
             self.projections.append(
@@ -98,24 +171,24 @@ class DeepseekV4State:
     # a slot's compressor rings and partial windows at a block's end are not kept apart
     # from what comes after it, so a prefix cannot be copied out of a slot
     prefix_cacheable = False
-    paged = False  # a slot reserves every position
-    num_blocks = 0
 
     def copy_prefix(self, source: int, target: int, num_tokens: int) -> None:
         """Refused: see `prefix_cacheable`."""
         raise ValueError("DeepSeek-V4's state cannot share a prefix between slots")
 
     def assign(self, slot: int, start: int, blocks: list[int]) -> None:
-        """Refused: its state is not kept in blocks."""
-        raise ValueError("DeepSeek-V4's state is not kept in blocks")
+        """Slot `slot`'s table from entry `start` on names `blocks` (a cache of blocks)."""
+        if self.tables is None:
+            raise ValueError("this DeepSeek-V4 state reserves every position a slot")
+        row = self.tables[slot]
+        if start == 0:
+            row[:-1] = self.num_blocks
+        row[start : start + len(blocks)] = torch.tensor(blocks, dtype=torch.long)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Refused: its state is not kept in blocks."""
-        raise ValueError("DeepSeek-V4's state is not kept in blocks")
-
-    @staticmethod
-    def _zeros(num_slots: int, rows: int, width: int, like: torch.Tensor) -> torch.Tensor:
-        return torch.zeros((num_slots, rows, width), dtype=like.dtype, device=like.device)
+        """Refused: a block's entries are not all a request's state at its boundary (the
+        rings and partial windows are not kept per block), so no prefix is shared."""
+        raise ValueError("DeepSeek-V4's state cannot share a prefix between requests")
 
     @property
     def scratch_position(self) -> int:
@@ -130,5 +203,18 @@ class DeepseekV4State:
 
     @property
     def bytes_per_token(self) -> int:
-        """State bytes per position of a slot, averaged over `max_kv_len` positions."""
-        return self.bytes_per_slot // max(self.max_kv_len, 1)
+        """State bytes per position of a slot, averaged over `max_kv_len` positions; in a
+        cache of blocks, those of a block's entries and index keys (what grows with a
+        request's length) over its positions."""
+        if not self.paged:
+            return self.bytes_per_slot // max(self.max_kv_len, 1)
+        held = [e for e in (*self.entries, *self.index_keys) if e is not None]
+        per_block = sum(e.rows[0].numel() * e.rows.element_size() for e in held)
+        return per_block // self.block_size
+
+    @property
+    def bytes_per_slot_fixed(self) -> int:
+        """State bytes a slot holds whatever its length: its rings."""
+        rings = [r for r in (*self.projections, *self.index_projections) if r is not None]
+        rings += self.window
+        return sum(r.rows[0].numel() * r.rows.element_size() for r in rings)
