@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from npu_worker.devices import free_memory
+from npu_worker.models.deepseek_v4.config import state_elements_in_blocks
+from npu_worker.models.deepseek_v4.state import DeepseekV4State
 from npu_worker.runner import LaunchRunner
 from npu_worker.weights.loader import load_model
 from npu_worker.weights.makers import deepseek_v3 as v3
@@ -128,3 +130,20 @@ def test_a_share_of_free_memory_sizes_the_pool_of_blocks() -> None:
     )
     assert 40 <= runner.kv_blocks <= 90  # 64 blocks give or take what others allocate
     assert runner.state.k[0].shape[0] == runner.kv_blocks + 1
+
+
+def test_a_v4_request_holds_its_rings_and_a_block_of_entries_per_block_size_positions(
+    tiny_v4: Path,
+) -> None:
+    """What a cache of blocks allocates is what `state_elements_in_blocks` says: rings per
+    slot, entries and index keys per block."""
+    loaded = load_model(tiny_v4, "float32", torch.device("cpu"), MAX_LEN, mtp=True)
+    state = loaded.model.new_state(3, MAX_LEN, BLOCK, 10)
+    assert isinstance(state, DeepseekV4State) and state.paged
+    fixed, per_block = state_elements_in_blocks(loaded.model.config, BLOCK, mtp=True)
+    rings = [r.rows for r in state.window]
+    rings += [r.rows for r in (*state.projections, *state.index_projections) if r is not None]
+    blocks = [e.rows for e in (*state.entries, *state.index_keys) if e is not None]
+    assert sum(r.numel() for r in rings) == 3 * fixed
+    assert sum(b.numel() for b in blocks) == 11 * per_block  # and the scratch block
+    assert state.bytes_per_token * BLOCK == per_block * 4

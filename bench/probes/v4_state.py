@@ -4,6 +4,9 @@ model's configuration (written here in its release terms and parsed as a checkpo
 
     python -m bench.probes.v4_state [--dtype-bytes 2] [--mtp]
 
+Then, in a cache of blocks of 128 positions (`--kv-cache-memory`), what a request of a few
+lengths holds: its rings, and one block of entries and index keys per 128 positions.
+
 Layers (the release's `compress_ratios`): two sliding-window layers, then CSA (rate 4) and
 HCA (rate 128) alternating, 21 and 20 of them; the trailing 0 is the MTP block's.
 """
@@ -20,6 +23,7 @@ from npu_worker.models.deepseek_v4.config import (
     HCA,
     SLIDING,
     DeepseekV4Config,
+    state_elements_in_blocks,
     state_elements_per_slot,
 )
 
@@ -65,6 +69,8 @@ V4_FLASH = {
     "torch_dtype": "bfloat16",
 }
 LENGTHS = (8192, 131072, 1048576)
+REQUEST_LENGTHS = (1024, 8192, 131072, 1048576)
+BLOCK = 128
 
 
 def v4_flash() -> DeepseekV4Config:
@@ -87,6 +93,15 @@ def main() -> None:
         total = sum(counts.values()) * args.dtype_bytes
         parts = ", ".join(f"{k} {v * args.dtype_bytes / 2**20:.1f} MiB" for k, v in counts.items())
         print(f"max_model_len {length:>9,}: {total / 2**20:9.1f} MiB per slot ({parts})")
+    fixed, per_block = state_elements_in_blocks(config, BLOCK, args.mtp)
+    size = args.dtype_bytes
+    print(
+        f"blocks of {BLOCK}: {fixed * size / 2**20:.2f} MiB of rings a request, "
+        f"{per_block * size / 2**10:.1f} KiB a block"
+    )
+    for length in REQUEST_LENGTHS:
+        total = (fixed + -(-length // BLOCK) * per_block) * size
+        print(f"a request of {length:>9,} positions: {total / 2**20:9.2f} MiB")
 
 
 if __name__ == "__main__":

@@ -299,3 +299,22 @@ def state_elements_per_slot(
         else:
             counts["compressor"] += (rate + 1) * 2 * d
     return counts
+
+
+def state_elements_in_blocks(
+    config: DeepseekV4Config, block_size: int, mtp: bool = False
+) -> tuple[int, int]:
+    """In a cache of blocks: the elements a slot holds whatever its length (its window and
+    compressor rings) and those one block of `block_size` positions holds (each compressed
+    layer's `block_size // rate` entries, and CSA's index keys). A request of n positions
+    holds the first plus ceil(n / block_size) of the second."""
+    counts = state_elements_per_slot(config, 0, mtp)
+    fixed = counts["window"] + counts["compressor"]
+    d, di = config.head_dim, config.index_head_dim
+    per_block = 0
+    for layer in range(config.num_layers + (1 if mtp else 0)):
+        rate = config.rate(layer)
+        if rate:
+            width = d + (di if config.layer_kind(layer) == CSA else 0)
+            per_block += block_size // rate * width
+    return fixed, per_block
