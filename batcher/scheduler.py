@@ -609,10 +609,7 @@ def _place(state: PoolState, seq: Sequence, ranks: list[int]) -> None:
     cached = 0
     if hits:
         hit = max(hits.values(), key=lambda h: (h.num_blocks, len(state.free_slots[h.rank])))
-        recompute = 1 if config.mtp else 0
-        cached = min(hit.num_blocks * config.block_size - recompute, seq.num_prompt_tokens - 1)
-        if not config.pack_prefill:  # a lone chunk starts on a chunk's boundary
-            cached -= cached % config.prefill_chunk
+        cached = _cached_tokens(state, seq, hit.num_blocks)
     if cached > 0:
         rank, free = hit.rank, state.free_slots[hit.rank]
         source, taken = hit.slot(free)

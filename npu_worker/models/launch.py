@@ -179,12 +179,8 @@ class KVCache:
         return rows[:, :, :span]
 
     def assign(self, slot: int, start: int, blocks: list[int]) -> None:
-        """Slot `slot`'s table from entry `start` on names `blocks` (a new request's from 0,
-        which first clears the rest)."""
-        row = self.tables[slot]
-        if start == 0:
-            row[:-1] = self.num_blocks
-        row[start : start + len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+        """Slot `slot`'s table from entry `start` on names `blocks`."""
+        assign_blocks(self.tables, self.num_blocks, slot, start, blocks)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Block `target` takes block `source`'s entries, every layer's, for each pair."""
@@ -225,6 +221,17 @@ class KVCache:
     def scratch_position(self) -> int:
         """The position padding rows write to."""
         return self.max_kv_len
+
+
+def assign_blocks(
+    tables: torch.Tensor, scratch: int, slot: int, start: int, blocks: list[int]
+) -> None:
+    """Slot `slot`'s row of block `tables` from entry `start` on names `blocks`; a new
+    request's (from 0) first points every entry but the scratch column's at `scratch`."""
+    row = tables[slot]
+    if start == 0:
+        row[:-1] = scratch
+    row[start : start + len(blocks)] = torch.tensor(blocks, dtype=torch.long)
 
 
 class Kit(Protocol):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from npu_worker.models.deepseek_v4.config import CSA, DeepseekV4Config, state_elements_per_slot
+from npu_worker.models.launch import assign_blocks
 
 
 class Ring:
@@ -180,10 +181,7 @@ class DeepseekV4State:
         """Slot `slot`'s table from entry `start` on names `blocks` (a cache of blocks)."""
         if self.tables is None:
             raise ValueError("this DeepSeek-V4 state reserves every position a slot")
-        row = self.tables[slot]
-        if start == 0:
-            row[:-1] = self.num_blocks
-        row[start : start + len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+        assign_blocks(self.tables, self.num_blocks, slot, start, blocks)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Refused: a block's entries are not all a request's state at its boundary (the
