@@ -95,12 +95,22 @@ def attention_bandwidth(
     positions = torch.full((batch, 1), context - 1)
     span = runner.span_for(context)
     scale = head_dim**-0.5
+    tables = None
+    if state.paged:  # each row its own run of blocks, in order: the blocks it reads
+        width = -(-context // state.block_size)
+        if batch * width > state.num_blocks or span > width * state.block_size:
+            return None
+        tables = torch.arange(batch * width).view(batch, width)
+        k_live, v_live = k[: batch * width], v[: batch * width]
+    else:
+        k_live, v_live = k[:batch, :, :context], v[:batch, :, :context]
     # the same bytes as float32 words (a bfloat16 pair is one word), so the sum streams them
     # at float32 speed whatever the cache's dtype
-    words_k = k[:batch, :, :context].view(torch.float32)
-    words_v = v[:batch, :, :context].view(torch.float32)
+    words_k, words_v = k_live.view(torch.float32), v_live.view(torch.float32)
     live_bytes = 2 * words_k.numel() * 4
-    attention_ms = _timed(lambda: kernel(q, k, v, slots, positions, span, scale), k.device, iters)
+    attention_ms = _timed(
+        lambda: kernel(q, k, v, slots, positions, span, scale, tables=tables), k.device, iters
+    )
     sum_ms = _timed(lambda: (words_k.sum(), words_v.sum()), k.device, iters)
     attention = live_bytes / (statistics.median(attention_ms) / 1000) / 1e9
     streaming = live_bytes / (statistics.median(sum_ms) / 1000) / 1e9

@@ -10,7 +10,9 @@ the cache. The two runs alternate `--rounds` times; the pool restarts between
 them. With `--vllm-python PATH` (and `--model DIR`, a directory vLLM reads), vLLM's OpenAI
 server then serves the same prompts at the same concurrency with its prefix caching on,
 as many model threads as the pool's ranks have, streamed over HTTP (the pool is driven
-through its Redis client). Not part of CI:
+through its Redis client). `--kv-cache-memory SIZE` runs the pool's cache as blocks of
+that many bytes a rank (a hit then shares the cached blocks instead of copying them).
+Not part of CI:
 
     python -m bench.probes.prefix_cache --model smollm2 --json bench/out/prefix_cache.json
 """
@@ -52,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--system-len", type=int, default=1024, help="shared prompt tokens")
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument(
+        "--kv-cache-memory", default=None, help="the pool's cache in blocks of this size a rank"
+    )
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--vllm-python", default=None, help="vLLM's Python, to run it too")
     parser.add_argument("--vllm-dtype", default=None, help="vLLM's dtype (default: the pool's)")
@@ -96,6 +101,7 @@ def pool_settings(url: str, args: argparse.Namespace, caching: bool) -> Settings
         kv_slots_per_rank=-(-args.concurrency // args.ranks),
         max_model_len=args.system_len + 128 + args.output_len,
         prefix_caching=caching,
+        kv_cache_memory=args.kv_cache_memory,
         pool="prefix-on" if caching else "prefix-off",
     )
 
