@@ -65,10 +65,18 @@ class LatentAttention(nn.Module):
         self.kv_a_layernorm = kit.rms_norm(config.kv_lora_rank, 1e-6)
         kv_b_out = heads * (config.qk_nope_head_dim + config.v_head_dim)
         # absorbed into the queries and the output: only its weight is read, never a product
-        # (an FP8 weight stays stored and is widened at each read)
+        # (a stored FP8 weight is widened once, at `place`: see `absorb`)
         self.kv_b_proj = StoredLinear(config.kv_lora_rank, kv_b_out, bias=False)
+        self.absorbed: torch.Tensor | None = None
         self.o_proj = kit.linear(heads * config.v_head_dim, hidden, bias=bias)
         self.attention = kit.cache_attention(1, config.softmax_scale)
+
+    def absorb(self) -> None:
+        """Widen a stored (FP8) `kv_b_proj` once, in the dtype it is read in: the absorbed
+        products read each head's slice of it transposed, which no stored product does, and
+        it is small (V3: 1 of 671 B parameters), so the copy costs little memory and spares
+        a widening per layer and launch. Same bits as widening at each read."""
+        self.absorbed = self.kv_b_proj.weight if self.kv_b_proj.stored is not None else None
 
     def forward(
         self,
@@ -97,7 +105,8 @@ class LatentAttention(nn.Module):
             k_rope = rotate_interleaved(k_rope, cos[..., :half], sin[..., :half])
         else:
             q_rope, k_rope = rotate_half(q_rope, cos, sin), rotate_half(k_rope, cos, sin)
-        w_kv = self.kv_b_proj.weight.view(c.num_heads, -1, c.kv_lora_rank)
+        w_kv = self.absorbed if self.absorbed is not None else self.kv_b_proj.weight
+        w_kv = w_kv.view(c.num_heads, -1, c.kv_lora_rank)
         w_uk, w_uv = w_kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=1)
         q_latent = torch.einsum("bshn,hnc->bshc", q_nope, w_uk)
         query = torch.cat((q_latent, q_rope), dim=-1)
@@ -268,6 +277,9 @@ class DeepseekV3CausalLM(LaunchModel[KVCache], ExpertModel):
         """Move to `device` in `dtype`; the rotary tables and the routers in float32."""
         self.to(device=device, dtype=dtype).eval()
         self.rope_cos, self.rope_sin = self.rope_cos.float(), self.rope_sin.float()
+        for module in self.modules():
+            if isinstance(module, LatentAttention):
+                module.absorb()
         for moe in self.moe_layers():
             moe.gate.float()  # routing stays in float32 whatever the weights' dtype
 
