@@ -9,6 +9,7 @@ request and registers anew; the fenced step script keeps a stale step from writi
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -206,6 +207,10 @@ class Worker:
             },
         )
         runner.warm_up(progress)  # experts stay local until the first epoch forms the group
+        # the model's modules, parameters and kernels' objects live as long as the rank: out
+        # of the collector's sight, a collection between launches walks only what steps make
+        gc.collect()
+        gc.freeze()
         if settings.expert_parallel and isinstance(loaded.model, ExpertModel):
             rendezvous = Rendezvous(
                 self.redis,

@@ -119,6 +119,37 @@ def test_a_rows_output_is_bit_identical_whatever_span_or_neighbours(
         assert torch.equal(out[row], alone[0])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [64, 16])
+def test_a_prefill_rows_positions_are_bit_identical_however_many_threads_split_them(
+    kernel: CpuKernels, dtype: torch.dtype, dim: int
+) -> None:
+    """With several threads a prefill row's positions are split into tasks; each query's
+    output is its own whatever task computes it, and agrees with masked attention."""
+    k, v = random_cache(9, 3, dim, dtype, seed=13)
+    generator = torch.Generator().manual_seed(7)
+    seq, span = 80, 256
+    q = torch.randn(2, seq, 9, dim, generator=generator).to(dtype)
+    slots = torch.tensor([3, 1])
+    positions = torch.stack([torch.arange(seq) + 100, torch.arange(seq)])
+    positions[1, 70:] = SCRATCH  # padding positions see nothing
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for count in (1, 2, 3, 8):
+            torch.set_num_threads(count)
+            outs.append(kernel(q, k, v, slots, positions, span, dim**-0.5))
+    finally:
+        torch.set_num_threads(threads)
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+    want = masked_reference(q.float(), k.float(), v.float(), slots, positions, span)
+    got = outs[0].float()
+    assert torch.equal(got[1, 70:], torch.zeros_like(got[1, 70:]))
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(got[:, :70], want[:, :70].to(dtype).float(), atol=tolerance)
+
+
 SETTINGS = Settings(
     model="tiny", device="cpu", max_model_len=512, kv_slots_per_rank=8, decode_batch=4
 )

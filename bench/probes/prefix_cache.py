@@ -55,6 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument(
+        "--modes", nargs="+", choices=("off", "on"), default=["off", "on"], help="pool runs"
+    )
+    parser.add_argument("--decode-batch", type=int, default=8, help="the pool's decode rows")
+    parser.add_argument("--threads-per-rank", type=int, default=1)
+    parser.add_argument(
         "--kv-cache-memory", default=None, help="the pool's cache in blocks of this size a rank"
     )
     parser.add_argument("--json", type=Path, default=None)
@@ -73,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     try:
         for round_ in range(args.rounds):
-            for mode in ("off", "on"):
+            for mode in args.modes:
                 result = run(url, workdir / f"{mode}{round_}", args, prompts, mode == "on")
                 runs[mode].append(result)
                 print(f"{mode}: {json.dumps(result)}", file=sys.stderr)
@@ -96,7 +101,8 @@ def pool_settings(url: str, args: argparse.Namespace, caching: bool) -> Settings
         model=args.model,
         dtype=args.dtype,
         ranks=args.ranks,
-        threads_per_rank=1,
+        threads_per_rank=args.threads_per_rank,
+        decode_batch=args.decode_batch,
         max_num_seqs=args.concurrency,
         kv_slots_per_rank=-(-args.concurrency // args.ranks),
         max_model_len=args.system_len + 128 + args.output_len,
@@ -124,7 +130,9 @@ def run(
 def run_vllm(workdir: Path, args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
     """The workload on vLLM's server with its prefix caching on."""
     settings = pool_settings("redis://unused", args, True)
-    peer = check_vllm_peer(args.vllm_python, settings, args.ranks, args.vllm_dtype)
+    peer = check_vllm_peer(
+        args.vllm_python, settings, args.ranks * args.threads_per_rank, args.vllm_dtype
+    )
     engine = {
         "max_model_len": settings.max_model_len,
         "max_num_seqs": args.concurrency,

@@ -426,6 +426,18 @@ int decode_attention(const void *q, const void *k, const void *v, const int64_t 
                      int64_t v_pos, int span, int dtype, float scale, int threads) {
     int group = heads / kv_heads, queries = seq * group, failed = 0;
     int blocks = span > 0 ? (span + block - 1) / block : 1; /* a row's blocks it reads */
+    /* a task: one row and KV head's positions s0..s0+per (all of them in decode); a prefill
+       row's positions split so each thread has about eight tasks (B1S128: one row, a few
+       KV heads), at least 16 positions each. A query's scores and sums are its own, so how
+       the positions are split changes no bit */
+    int rows = batch * kv_heads, parts = 1;
+    if (seq > 1 && threads > 1) {
+        parts = (8 * threads + rows - 1) / rows;
+        int most = (seq + 15) / 16;
+        parts = parts < most ? parts : most;
+    }
+    int per = (seq + parts - 1) / parts;
+    parts = (seq + per - 1) / per;
     if (blocks > width) return 2;
     size_t elem = dtype == 0 ? 4 : 2;
     size_t work_floats = dim + vdim + (size_t)queries * (span > 0 ? span : 1)
@@ -439,18 +451,19 @@ int decode_attention(const void *q, const void *k, const void *v, const int64_t 
         const char **kb = malloc((size_t)blocks * 2 * sizeof(char *)), **vb = kb + blocks;
         if (!work || !qrow || !qh || !limit || !kb) failed = 1;
         #pragma omp for schedule(static)
-        for (int task = 0; task < batch * kv_heads; task++) {
+        for (int task = 0; task < batch * kv_heads * parts; task++) {
             if (!work || !qrow || !qh || !limit || !kb) continue;
-            int b = task / kv_heads, h = task % kv_heads;
-            for (int s = 0; s < seq; s++) {
-                int64_t position = positions[(size_t)b * seq + s];
+            int b = task / (kv_heads * parts), h = task / parts % kv_heads;
+            int s0 = task % parts * per, n = seq - s0 < per ? seq - s0 : per;
+            for (int s = 0; s < n; s++) {
+                int64_t position = positions[(size_t)b * seq + s0 + s];
                 limit[s] = position < span ? position + 1 : 0;
             }
-            for (int s = 0; s < seq; s++)
+            for (int s = 0; s < n; s++)
                 for (int g = 0; g < group; g++) {
                     size_t i = (size_t)s * group + g;
                     const char *src = (const char *)q
-                        + (((size_t)b * seq + s) * heads + h * group + g) * dim * elem;
+                        + (((size_t)b * seq + s0 + s) * heads + h * group + g) * dim * elem;
                     if (dtype == 0) {
                         memcpy(qrow + i * dim, src, sizeof(float) * dim);
                     } else {
@@ -463,8 +476,8 @@ int decode_attention(const void *q, const void *k, const void *v, const int64_t 
                 kb[j] = (const char *)k + (size_t)(at * k_slot + h * k_head) * elem;
                 vb[j] = (const char *)v + (size_t)(at * v_slot + h * v_head) * elem;
             }
-            char *o = (char *)out + ((size_t)b * seq * heads + h * group) * vdim * elem;
-            attend_row(qrow, qh, queries, limit, seq, group, kb, vb, block, k_pos, v_pos, dtype,
+            char *o = (char *)out + (((size_t)b * seq + s0) * heads + h * group) * vdim * elem;
+            attend_row(qrow, qh, n * group, limit, n, group, kb, vb, block, k_pos, v_pos, dtype,
                        dim, vdim, scale, o, (int64_t)heads * vdim, vdim, work);
         }
         free(kb);
