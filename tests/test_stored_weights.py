@@ -426,6 +426,32 @@ def test_a_head_packed_for_the_kernels_product_is_held_once(
     assert model.get_submodule("lm_head").weight is model.input_embeddings().weight
 
 
+@pytest.mark.parametrize("kernel_products", [True, False])
+def test_every_packed_bfloat16_weight_is_held_once(kernel_products: bool) -> None:
+    """Packed for either product, alone or in a group (q, k and v; gate and up), a layer lets
+    go of its plain weight: the model holds each weight's bytes once, and `.weight` reads the
+    checkpoint's weight bit for bit."""
+    library = load_cpu_kernels()
+    if kernel_products and (library is None or not has_kernel_linear()):
+        pytest.skip("the kernels' product is not built here")
+    if not kernel_products and not cpu_products.packing_available():
+        pytest.skip("oneDNN does not pack bfloat16 here")
+    path = ensure_tiny_model()
+    kit = CpuKit(library, kernel_products=kernel_products)
+    loaded = load_model(path, "bfloat16", CPU, MAX_MODEL_LEN, kit=kit)
+    assert loaded.model.kit.product is not None
+    expected = "kernels" if kernel_products else "onednn"
+    assert loaded.model.kit.product.name == expected
+    checkpoint = read_weights(path)
+    layers = {n: m for n, m in loaded.model.named_modules() if isinstance(m, PackedLinear)}
+    assert layers
+    for name, layer in layers.items():
+        assert "weight" not in dict(layer.named_parameters()), name
+        assert torch.equal(layer.weight, checkpoint[f"{name}.weight"].bfloat16()), name
+    in_bfloat16 = sum(t.numel() * 2 for t in checkpoint.values())
+    assert loaded.weight_bytes <= 1.02 * in_bfloat16, (loaded.weight_bytes, in_bfloat16)
+
+
 def test_formats_it_cannot_read_fail_at_start_naming_them(
     checkpoints: dict[str, Path], tmp_path: Path
 ) -> None:

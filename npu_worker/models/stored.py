@@ -206,6 +206,7 @@ class StoredLinear(nn.Linear):
 
     stored: StoredWeight | None = None
     compute_dtype: torch.dtype = torch.float32
+    read_grouped = False  # called through `grouped` (a kit keeps what that reads fast)
 
     @property
     def weight(self) -> torch.Tensor:  # type: ignore[override]

@@ -56,6 +56,37 @@ class KernelPacked:
 
 
 @dataclass(frozen=True, slots=True)
+class PackedRows:
+    """A bfloat16 weight [outputs, inputs] held only as rows start..start+outputs of a
+    weight of `total` outputs that `product` laid out (its own, or its group's in one
+    product: q, k and v, or gate and up), once its plain tensor is let go."""
+
+    packed: torch.Tensor
+    product: Product
+    start: int
+    outputs: int
+    inputs: int
+    total: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.outputs, self.inputs
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"packed": self.packed}
+
+    def with_tensors(self, tensors: dict[str, torch.Tensor]) -> PackedRows:
+        return PackedRows(
+            tensors["packed"], self.product, self.start, self.outputs, self.inputs, self.total
+        )
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight laid out plainly again, in float32."""
+        plain = self.product.unpack(self.packed, self.total, self.inputs)
+        return plain[self.start : self.start + self.outputs].float()
+
+
+@dataclass(frozen=True, slots=True)
 class KernelMxfp4:
     """An MXFP4 weight [out, in] in the kernels' layout (matmul.c, `linear_mxfp4`): its
     bytes by blocks of 16 outputs, `packed` [blocks, in / 2, 16] and `scales` [blocks,
@@ -170,7 +201,7 @@ class PackedLinear(StoredLinear):
         return self.weight.dtype == torch.bfloat16 and self.weight.device.type == "cpu"
 
     def pack(self, product: Product) -> None:
-        """Lay the weight out for `product` (the plain weight stays, for every other use)."""
+        """Lay the weight out for `product` (the plain weight stays until `let_go_of_plain`)."""
         self.product, self.packed = product, product.pack(self.weight)
 
     def keeps_rows_apart(self, kit_rows_apart: bool) -> bool:
@@ -195,11 +226,24 @@ class PackedLinear(StoredLinear):
         self.stored_library = library
 
     def let_go_of_plain(self) -> None:
-        """Keep the weight only as the kernels' packed layout (a weight no other parameter
+        """Keep the weight only as its product's packed layout (a weight no other parameter
         shares): reading `.weight`, or a call in another dtype, unpacks it."""
-        if isinstance(self.product, KernelProduct) and self.packed is not None:
+        if self.packed is None or self.product is None:
+            return
+        if isinstance(self.product, KernelProduct):  # its slices read by `grouped`
             self.keep_stored(KernelPacked(self.packed, self.out_features, self.in_features))
-            self.compute_dtype = torch.bfloat16
+        elif self.read_grouped:  # oneDNN's layout has no slices: `grouped` reads the plain one
+            return
+        else:
+            outputs, inputs = self.out_features, self.in_features
+            self.keep_stored(PackedRows(self.packed, self.product, 0, outputs, inputs, outputs))
+        self.compute_dtype = torch.bfloat16
+
+    def held_in(self, packed: torch.Tensor, product: Product, start: int, total: int) -> None:
+        """Keep the weight only as rows `start`.. of its group's packed weight."""
+        outputs, inputs = self.out_features, self.in_features
+        self.keep_stored(PackedRows(packed, product, start, outputs, inputs, total))
+        self.compute_dtype = torch.bfloat16
 
     def grouped(self, x: torch.Tensor) -> torch.Tensor:
         """Each group through the kernels' product over its slice of the weight's blocks of
@@ -279,6 +323,18 @@ class PackedProjections(Projections):
             biases = [layer.bias for layer in self.layers]
             self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])  # type: ignore[union-attr]
         self.product = product
+
+    def let_go_of_plain(self, shared: frozenset[int]) -> None:
+        """Each layer keeps its weight only as its rows of the packed one (unless another
+        parameter shares it)."""
+        if self.packed is None or self.product is None:
+            return
+        total, start = sum(self.sizes), 0
+        for layer, size in zip(self.layers, self.sizes, strict=True):
+            assert isinstance(layer, PackedLinear)  # `packable` said so
+            if layer.weight.untyped_storage().data_ptr() not in shared:
+                layer.held_in(self.packed, self.product, start, total)
+            start += size
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         if self.product is None or self.packed is None or x.dtype != torch.bfloat16:
@@ -418,9 +474,10 @@ class CpuKit:
 
     def prepare(self, shared: frozenset[int] = frozenset()) -> None:
         """Pack every bfloat16 weight once: groups as one weight where they can be, then
-        every other linear layer on its own. Nothing where no product is there. A layer
-        packed on its own for the kernels' product then lets go of its plain weight unless
-        another parameter shares it (`shared`: a tied head's), so it is held once.
+        every other linear layer on its own. Nothing where no product is there. Each packed
+        layer then lets go of its plain weight (a grouped one keeps its rows of the group's
+        packed weight) unless another parameter shares it (`shared`: a tied head's), so it
+        is held once, with either product.
 
         A model whose FP8 or MXFP4 weights the kernels read as stored runs the kernels'
         bfloat16 product for its other weights too, whatever the probe chose (unless
@@ -448,8 +505,10 @@ class CpuKit:
         for group in self.groups:
             if isinstance(group, PackedProjections) and group.packable():
                 group.pack(product)
+                group.let_go_of_plain(shared)
                 grouped |= {id(layer) for layer in group.layers}
             elif isinstance(group, PackedGated) and group.pack(product):
+                group.pair.let_go_of_plain(shared)
                 grouped |= {id(group.gate), id(group.up)}
         for layer in linears:
             if id(layer) not in grouped:

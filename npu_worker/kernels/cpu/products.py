@@ -18,8 +18,9 @@ than oneDNN's, but each row's sums in one fixed order, so a row's bits still dep
 nothing but the row, in prefill and decode alike.
 
 Only bfloat16 weights are packed (float32 products come from MKL, whose packed form gives
-other bits). The plain weight stays (other code reads it: tied heads), so packing costs a
-second copy of the linear weights in memory.
+other bits). Once packed, a layer lets go of its plain weight (layers.py: `PackedRows`),
+unless another parameter shares it (a tied head's embedding): each product can lay its
+packed weight out plainly again (`unpack`), bit for bit, for the rare reader of `.weight`.
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ class Product(Protocol):
         """x [..., inputs] times a weight `pack` laid out, plus bias: [..., outputs]."""
         ...
 
+    def unpack(self, packed: torch.Tensor, outputs: int, inputs: int) -> torch.Tensor:
+        """The weight `pack` laid out, [outputs, inputs] as it was."""
+        ...
+
 
 class OneDnnProduct:
     """oneDNN's packed bfloat16 product: the bits of `F.linear`, without its reorder."""
@@ -71,6 +76,10 @@ class OneDnnProduct:
             torch.Tensor,
             torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], ""),
         )
+
+    def unpack(self, packed: torch.Tensor, outputs: int, inputs: int) -> torch.Tensor:
+        """oneDNN's reorder back to the plain layout."""
+        return packed.to_dense()
 
     def gated(self, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """silu(x gate) * (x up) in two calls: the activation and the product done inside
@@ -100,6 +109,12 @@ class KernelProduct:
     ) -> torch.Tensor:
         """The kernels' product: each output's sum in one fixed order."""
         return self.library.linear(x, packed, outputs, bias)
+
+    def unpack(self, packed: torch.Tensor, outputs: int, inputs: int) -> torch.Tensor:
+        """Blocks of 16 outputs by pairs of inputs back to rows, the padding cut."""
+        blocks, pairs = -(-outputs // 16), -(-inputs // 2)
+        plain = packed.view(blocks, pairs, 16, 2).permute(0, 2, 1, 3)
+        return plain.reshape(blocks * 16, pairs * 2)[:outputs, :inputs]
 
 
 @functools.cache

@@ -172,6 +172,7 @@ class Attention(nn.Module):
         group_in = c.num_heads * c.head_dim // c.o_groups
         # grouped: each group's slice of its outputs reads its own slice of the input
         self.wo_a = kit.linear(group_in, c.o_groups * c.o_lora_rank)
+        self.wo_a.read_grouped = True
         self.wo_b = kit.linear(c.o_groups * c.o_lora_rank, hidden)
         self.attn_sink = nn.Parameter(torch.zeros(c.num_heads))
         if self.rate:
