@@ -10,6 +10,12 @@ block is shared by every request holding it and never written while shared. A bl
 request holds is free; a keyed free block keeps its entries (and its key) until it is
 handed out again, the least recently freed first, after the free blocks that hold
 nothing.
+
+Where a model's state is not all in blocks (DeepSeek-V4's rings), its rank keeps `num_marks`
+marks, copies of a slot's other state taken when a prefill segment ends on a block boundary:
+a block's mark is that copy at the block's end. A prefix is shared only up to a marked
+block (batcher/placement.py); marks are handed out least recently used first, and a block
+handed out again loses its mark.
 """
 
 from __future__ import annotations
@@ -24,14 +30,19 @@ class BlockPool:
     order they are handed out, and which prefix each keyed block holds."""
 
     total: int
+    num_marks: int = 0
     held: dict[int, int] = field(default_factory=dict)  # block -> requests holding it
     free: OrderedDict[int, None] = field(default_factory=OrderedDict)
     key_of: dict[int, bytes] = field(default_factory=dict)
     block_of: dict[bytes, int] = field(default_factory=dict)
+    marks: OrderedDict[int, int] = field(default_factory=OrderedDict)  # mark -> block or -1
+    mark_of: dict[int, int] = field(default_factory=dict)  # block -> its mark
 
     def __post_init__(self) -> None:
         if not self.free and not self.held:
             self.free = OrderedDict.fromkeys(range(self.total))
+        if not self.marks:
+            self.marks = OrderedDict.fromkeys(range(self.num_marks), -1)
 
     @property
     def num_free(self) -> int:
@@ -79,7 +90,30 @@ class BlockPool:
             if key is not None:
                 del self.block_of[key]
             self.held[block] = 1
+            mark = self.mark_of.pop(block, None)
+            if mark is not None:  # its copy is of what the block held: the next to go
+                self.marks[mark] = -1
+                self.marks.move_to_end(mark, last=False)
         return taken
+
+    def mark_for(self, block: int) -> int:
+        """The mark that takes the copy at `block`'s end: its own, or the least recently
+        used (whose block loses its mark)."""
+        mark = self.mark_of.get(block)
+        if mark is None:
+            mark, old = self.marks.popitem(last=False)
+            self.mark_of.pop(old, None)
+            self.mark_of[block] = mark
+        self.marks[mark] = block
+        self.marks.move_to_end(mark)
+        return mark
+
+    def use_mark(self, block: int) -> int:
+        """`block`'s mark, now the most recently used (-1 if it has none)."""
+        mark = self.mark_of.get(block, -1)
+        if mark >= 0:
+            self.marks.move_to_end(mark)
+        return mark
 
     def release(self, blocks: list[int]) -> None:
         """A request lets go of its blocks: one no one else holds is free, a keyed one at

@@ -46,6 +46,7 @@ def rank_plans(
                 num_cached_tokens=seq.num_cached,
                 blocks=list(seq.blocks),
                 copy_block=list(seq.copy_block),
+                restore_mark=seq.restore_mark,
                 grammar=constraint.compiled() if (constraint := entry.request.constraint) else None,
             )
         )

@@ -52,11 +52,47 @@ def _prompt_blocks(state: PoolState, seq: Sequence, pool: BlockPool) -> tuple[in
     """A prompt's cached tokens on a rank, the blocks it would share there (wholly
     before its first computed position) and how many it takes fresh (a copy of the
     block it starts computing in, if cached, among them)."""
-    config = state.config
-    hits = pool.cached(seq.block_keys) if config.prefix_caching else []
+    hits = _hits(state, seq, pool)
     cached = _cached_tokens(state, seq, len(hits))
-    shared = hits[: cached // config.block_size]
+    shared = hits[: cached // state.config.block_size]
     return cached, shared, state.blocks_needed(seq, seq.num_prompt_tokens) - len(shared)
+
+
+def _hits(state: PoolState, seq: Sequence, pool: BlockPool) -> list[int]:
+    """The cached blocks a prompt can start from on a rank: its leading cached blocks; with
+    marks (state outside blocks), only as far as its computing resumes at a marked block's
+    end B, or at B - 1 (rewriting that position with the same bits)."""
+    if not state.config.prefix_caching:
+        return []
+    hits = pool.cached(seq.block_keys)
+    if not pool.num_marks:
+        return hits
+    size = state.config.block_size
+    for count in range(len(hits), 0, -1):
+        boundary = -(-_cached_tokens(state, seq, count) // size)  # blocks B covers
+        if boundary and hits[boundary - 1] in pool.mark_of:
+            return hits[:count]
+    return []
+
+
+def boundary_mark(state: PoolState, seq: Sequence, num_tokens: int) -> tuple[int, int]:
+    """A prefill segment of `num_tokens` from `seq.num_prefilled` on, cut at the end of the
+    last keyed prompt block it completes, if that wants a mark (no marked block holds its
+    key yet), with the mark that takes the copy there: (tokens, mark or -1). Unpacked, a
+    chunk is never cut: only a chunk ending on a block's end is marked."""
+    config = state.config
+    pool = state.pools.get(seq.rank)
+    if pool is None or not (pool.num_marks and config.prefix_caching):
+        return num_tokens, -1
+    size, start = config.block_size, seq.num_prefilled
+    end = start + num_tokens
+    last = min(end // size, len(seq.block_keys))  # blocks complete at its end, keyed
+    if last * size <= start or (not config.pack_prefill and last * size != end):
+        return num_tokens, -1
+    cached = pool.block_of.get(seq.block_keys[last - 1])
+    if cached is not None and cached in pool.mark_of:
+        return num_tokens, -1
+    return last * size - start, pool.mark_for(seq.blocks[last - 1])
 
 
 def _cached_tokens(state: PoolState, seq: Sequence, num_blocks: int) -> int:
@@ -127,13 +163,16 @@ def _place_in_blocks(state: PoolState, seq: Sequence, ranks: list[int]) -> None:
         fresh_ranks = [r for r in ranks if not prefix.coming(seq.block_keys, r, held_by(state, r))]
         rank = _pick_rank(state, fresh_ranks or ranks, by_blocks=True)
     pool = state.pools[rank]
+    hits = _hits(state, seq, pool)  # before `take` hands any of them out again
     cached, shared, fresh = _prompt_blocks(state, seq, pool)
+    size = config.block_size
+    # a mark's copy is restored before any launch, as a cached block is copied
+    seq.restore_mark = pool.use_mark(hits[-(-cached // size) - 1]) if cached else -1
     pool.hold(shared)
     seq.blocks = shared + pool.take(fresh)
     seq.num_sent_blocks = len(seq.blocks)
     seq.copy_block = []
-    hits = pool.cached(seq.block_keys) if cached else []
-    if cached % config.block_size:  # its first computed position is inside a cached block
+    if cached % size:  # its first computed position is inside a cached block
         seq.copy_block = [hits[len(shared)], seq.blocks[len(shared)]]
     seq.num_cached, seq.num_prefilled = cached, cached
     slot = min(state.free_slots[rank])

@@ -65,6 +65,7 @@ class RankRegistry:
         self.packs: dict[int, bool] = {}  # rank -> it runs packed prefill launches
         self.prefix: dict[int, bool] = {}  # rank -> its state can copy a cached prefix
         self.kv_blocks: dict[int, int] = {}  # rank -> its cache blocks (0: slots reserve)
+        self.kv_marks: dict[int, int] = {}  # rank -> marks of state outside its blocks
         self._mark = client.register_script(MARK_SCRIPT)
 
     def poll(self) -> RankChanges:
@@ -100,6 +101,7 @@ class RankRegistry:
                 self.packs[rank] = _field(info, RankField.PACKS, b"0") == b"1"
                 self.prefix[rank] = _field(info, RankField.PREFIX, b"0") == b"1"
                 self.kv_blocks[rank] = int(_field(info, RankField.KV_BLOCKS, b"0"))
+                self.kv_marks[rank] = int(_field(info, RankField.KV_MARKS, b"0"))
                 changes.joined.append(rank)
         return changes
 

@@ -26,7 +26,7 @@ from batcher.fairness import (
     prefill_order,
     share_of,
 )
-from batcher.placement import grow, held_by, place, ranks_for, victim_order
+from batcher.placement import boundary_mark, grow, held_by, place, ranks_for, victim_order
 from batcher.prefix import PrefixIndex
 from schemas.control import PREEMPTED, PrefillChunk
 from schemas.keys import DEFAULT_TENANT
@@ -118,6 +118,7 @@ class Sequence:
     blocks: list[int] = field(default_factory=list)
     num_sent_blocks: int = 0
     copy_block: list[int] = field(default_factory=list)
+    restore_mark: int = -1  # the mark its slot's state outside blocks is restored from
 
     @property
     def is_admitted(self) -> bool:
@@ -354,15 +355,15 @@ def lose_rank(state: PoolState, rank: int) -> list[Sequence]:
     return lost
 
 
-def join_rank(state: PoolState, rank: int, num_blocks: int = 0) -> None:
+def join_rank(state: PoolState, rank: int, num_blocks: int = 0, num_marks: int = 0) -> None:
     """Put a (new) rank process into planning with all of its KV slots free (and, in a
-    cache of blocks, its `num_blocks` blocks)."""
+    cache of blocks, its `num_blocks` blocks and `num_marks` marks)."""
     state.ranks.add(rank)
     state.free_slots[rank] = list(range(state.config.kv_slots_per_rank))
     state.prefix.forget_rank(rank)
     state.pools.pop(rank, None)
     if num_blocks:
-        state.pools[rank] = BlockPool(num_blocks)
+        state.pools[rank] = BlockPool(num_blocks, num_marks)
 
 
 def _admit(state: PoolState) -> list[Sequence]:
@@ -621,10 +622,14 @@ def _plan_prefill(
         launches: list[list[PrefillChunk]] = []
         while pending and len(launches) < config.prefill_slots:
             room, launch = config.prefill_chunk, list[PrefillChunk]()
+            cut: list[Sequence] = []  # segments cut at a marked boundary: on in the next launch
             while pending and room and len(launch) < per_launch:
                 seq = pending[0]
-                num_tokens = min(room, seq.num_prompt_tokens - seq.num_prefilled)
-                launch.append(PrefillChunk(seq.slot, seq.num_prefilled, num_tokens, seq.request_id))
+                wanted = min(room, seq.num_prompt_tokens - seq.num_prefilled)
+                num_tokens, mark = boundary_mark(state, seq, wanted)
+                launch.append(
+                    PrefillChunk(seq.slot, seq.num_prefilled, num_tokens, seq.request_id, mark)
+                )
                 seq.num_prefilled += num_tokens
                 room -= num_tokens
                 if served is not None:
@@ -634,6 +639,9 @@ def _plan_prefill(
                     pending.pop(0)
                 elif not config.pack_prefill:
                     pending.pop(0)  # unpacked: one chunk per request per step, as before
+                elif num_tokens < wanted:
+                    cut.append(pending.pop(0))  # a launch holds one segment of a request
+            pending[:0] = cut
             launches.append(launch)
         if launches:
             prefill[rank] = launches

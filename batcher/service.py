@@ -141,8 +141,11 @@ class Batcher:
     def _join(self, rank: int) -> None:
         """Plan for a (new) rank process: its slots free, and its blocks in a cache of
         blocks."""
-        paged = self.state.config.paged
-        join_rank(self.state, rank, self.registry.kv_blocks.get(rank, 0) if paged else 0)
+        if not self.state.config.paged:
+            join_rank(self.state, rank)
+            return
+        registry = self.registry
+        join_rank(self.state, rank, registry.kv_blocks.get(rank, 0), registry.kv_marks.get(rank, 0))
 
     def _new_registry(self) -> RankRegistry:
         s = self.settings

@@ -126,6 +126,8 @@ class RankEngine:
                 self.runner.assign_blocks(new.slot, 0, new.blocks)
                 if new.copy_block:
                     self.runner.copy_blocks([(new.copy_block[0], new.copy_block[1])])
+                if new.restore_mark >= 0:  # and the state outside blocks at its boundary
+                    self.runner.restore_mark(new.restore_mark, new.slot)
             elif new.num_cached_tokens and new.cached_from not in (-1, new.slot):
                 self.runner.copy_prefix(new.cached_from, new.slot, new.num_cached_tokens)
         for slot, start, blocks in plan.blocks:  # running requests' next blocks
@@ -261,6 +263,9 @@ class RankEngine:
                 if state.finish is None:
                     position = state.num_context_tokens
                     self.runner.set_tail(state.slot, state.token_ids[position], position, drafts[j])
+        for chunk in chunks:  # segments ending on a block boundary a prefix may start from
+            if chunk.mark >= 0:
+                self.runner.save_mark(chunk.slot, chunk.mark)
 
     def _verify(self, live: list[int], states: list[SlotState], record: StepRecord) -> None:
         """MTP decode: verify each row's draft, commit one or two tokens, draft again."""

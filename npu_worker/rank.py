@@ -203,6 +203,7 @@ class Worker:
                 RankField.PACKS: int(runner.packs),
                 RankField.PREFIX: int(runner.prefix_cacheable),
                 RankField.KV_BLOCKS: runner.kv_blocks,
+                RankField.KV_MARKS: runner.kv_marks,
                 RankField.SHAPES: runner.shapes.encode(),
             },
         )

@@ -118,6 +118,20 @@ class LaunchRunner:
         self.state.copy_blocks(pairs)
 
     @property
+    def kv_marks(self) -> int:
+        """Marks the planner hands out: copies of a slot's state outside blocks at a block
+        boundary, which a shared prefix needs beside its blocks (0: blocks suffice)."""
+        return self.state.num_marks
+
+    def save_mark(self, slot: int, mark: int) -> None:
+        """Mark `mark` takes a copy of the slot's state outside blocks."""
+        self.state.save_mark(slot, mark)
+
+    def restore_mark(self, mark: int, slot: int) -> None:
+        """The slot's state outside blocks becomes mark `mark`'s copy."""
+        self.state.restore_mark(mark, slot)
+
+    @property
     def packs(self) -> bool:
         """True when prefill launches may carry several requests' segments."""
         return self.backend.packs and self.model_packs
@@ -365,10 +379,12 @@ def cache_blocks(model: LaunchModel[Any], shapes: LaunchShapes) -> int:
         if probe.device.type == "cpu":
             free //= max(1, shapes.ranks_sharing)
         budget = int(free * shapes.kv_cache_fraction)
-    blocks = budget // per_block
+    fixed = probe.fixed_bytes * shapes.num_slots  # the slots' (and marks') own state
+    blocks = (budget - fixed) // per_block
     if blocks < 1:
+        beside = f" beside its slots' own {fixed} bytes" if fixed else ""
         raise ValueError(
             f"a cache of {budget} bytes holds no block of "
-            f"{shapes.block_size} tokens ({per_block} bytes)"
+            f"{shapes.block_size} tokens ({per_block} bytes){beside}"
         )
     return int(blocks)

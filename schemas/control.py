@@ -41,6 +41,8 @@ class NewRequest:
     # first), and [source, target] when a shared block it writes into is copied first
     blocks: list[int] = field(default_factory=list)
     copy_block: list[int] = field(default_factory=list)
+    # and the mark whose copy of state outside blocks its slot takes first (-1: none)
+    restore_mark: int = -1
 
     def to_wire(self) -> list[Any]:
         """The msgpack array form."""
@@ -60,6 +62,7 @@ class NewRequest:
             self.num_cached_tokens,
             self.blocks,
             self.copy_block,
+            self.restore_mark,
         ]
 
     @classmethod
@@ -78,14 +81,22 @@ class PrefillChunk:
     start: int
     num_tokens: int
     request_id: str = ""
+    # the mark that takes a copy of the slot's state outside blocks after the launch (and
+    # its MTP draft): the segment ends on a block boundary a later prefix may start from
+    mark: int = -1
 
     def to_wire(self) -> list[Any]:
-        """The msgpack array form."""
-        return [self.slot, self.start, self.num_tokens, self.request_id]
+        """The msgpack array form (a chunk that saves no mark leaves its mark out)."""
+        row: list[Any] = [self.slot, self.start, self.num_tokens, self.request_id]
+        return row if self.mark < 0 else [*row, self.mark]
 
     @classmethod
     def from_wire(cls, row: list[Any]) -> PrefillChunk:
-        """Back from the array form; ValueError unless it has exactly its four fields."""
+        """Back from the array form; ValueError unless it has its four fields (or five,
+        with a mark)."""
+        if len(row) == 5:
+            slot, start, num_tokens, request_id, mark = row
+            return cls(slot, start, num_tokens, request_id, mark)
         slot, start, num_tokens, request_id = row
         return cls(slot, start, num_tokens, request_id)
 

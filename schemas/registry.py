@@ -59,6 +59,7 @@ class RankField:
     PREFIX = "prefix"  # "1": its model state can copy a cached prefix between slots
     SHAPES = "shapes"  # LaunchShapes as JSON
     KV_BLOCKS = "kv_blocks"  # cache blocks it holds (0: a slot reserves every position)
+    KV_MARKS = "kv_marks"  # copies of a slot's state outside blocks it keeps for prefixes
     PROGRESS = "progress"  # what a starting rank is doing, with done / total steps
     PROGRESS_DONE = "progress_done"
     PROGRESS_TOTAL = "progress_total"

@@ -44,12 +44,13 @@ def tiny_v4(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def runners(path: Path, kit: str, dtype: str, mtp: bool) -> tuple[LaunchRunner, LaunchRunner]:
-    """A runner whose slots reserve every position, and one over a pool of 24 blocks."""
+    """A runner whose slots reserve every position, and one over a pool of 24 blocks (and
+    its 3 slots' own state: V4's rings and marks)."""
     loaded = load_model(path, dtype, torch.device("cpu"), MAX_LEN, mtp=mtp, kit=layer_kits()[kit]())
     shapes = launch_shapes(3, MAX_LEN, CHUNK, 4)
     slots = LaunchRunner(loaded.model, shapes)
     probe = loaded.model.new_state(1, BLOCK, BLOCK, 1)
-    memory = 24 * BLOCK * probe.bytes_per_token
+    memory = 24 * BLOCK * probe.bytes_per_token + 3 * probe.fixed_bytes
     blocks = LaunchRunner(loaded.model, replace(shapes, block_size=BLOCK, kv_cache_memory=memory))
     assert (slots.kv_blocks, blocks.kv_blocks) == (0, 24)
     return slots, blocks
@@ -116,6 +117,33 @@ def test_a_copied_block_holds_what_its_source_held(tiny_v3: Path) -> None:
     chunk = PrefillChunk(slot=1, start=40, num_tokens=len(second) - 40)
     got = blocks.prefill([chunk], [second[40:]]).logits[:, 0]
     assert torch.equal(got, want[-1])
+
+
+@pytest.mark.parametrize("computed", [30, 1])
+def test_a_v4_slot_given_a_mark_goes_on_as_the_slot_that_took_it(
+    tiny_v4: Path, computed: int
+) -> None:
+    """A prefix of two blocks shared with its mark (the rings where it ends): a request
+    that computes `computed` tokens after it gets a lone run's logits; without the mark it
+    does not. (V4's launches are unpacked, so a prefix's last token is never computed
+    again: prefill resumes on a chunk's boundary.)"""
+    slots, blocks = runners(tiny_v4, "cpu", "float32", mtp=False)
+    assert blocks.kv_marks == 3
+    rng = random.Random(5)
+    shared = random_prompt(rng, 2 * BLOCK, 200)
+    second = shared + random_prompt(rng, computed, 200)
+    want = run(slots, [second], 0)[-1]
+    blocks.assign_blocks(0, 0, [5, 9])
+    blocks.prefill([PrefillChunk(slot=0, start=0, num_tokens=2 * BLOCK)], [shared])
+    blocks.save_mark(0, 2)
+    start = len(shared)
+    for slot, mark in ((1, True), (2, False)):
+        blocks.assign_blocks(slot, 0, [5, 9, 12])
+        if mark:
+            blocks.restore_mark(2, slot)
+        chunk = PrefillChunk(slot=slot, start=start, num_tokens=len(second) - start)
+        got = blocks.prefill([chunk], [second[start:]]).logits[:, 0]
+        assert torch.equal(got, want) == mark
 
 
 def test_a_share_of_free_memory_sizes_the_pool_of_blocks() -> None:

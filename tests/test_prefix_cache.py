@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from batcher.blocks import BlockPool
 from batcher.outcomes import apply_result
 from batcher.prefix import block_keys
 from batcher.scheduler import (
@@ -210,3 +211,61 @@ def test_a_burst_sharing_a_prompt_computes_it_once_a_rank_and_the_rest_wait() ->
     plan = plan_step(state)
     assert {s.request_id for s in plan.admitted} == {"b2", "b3", "b4"}
     assert all(s.num_cached == 3 * BLOCK for s in burst[2:])
+
+
+def marked_state(marks: int) -> PoolState:
+    """One rank with a cache of 64 blocks and `marks` marks (a model whose state is not all
+    in blocks, as DeepSeek-V4's rings are not)."""
+    state = make_state(paged=True, max_kv_len=256)
+    join_rank(state, 0, 64, marks)
+    return state
+
+
+def segments(state: PoolState) -> list[tuple[int, int, int]]:
+    """The step's prefill segments on rank 0: (start, tokens, mark)."""
+    plan = plan_step(state)
+    return [(c.start, c.num_tokens, c.mark) for launch in plan.prefill[0] for c in launch]
+
+
+def test_with_marks_a_segment_ends_on_its_last_keyed_block_and_a_hit_restores_that_mark() -> None:
+    state = marked_state(marks=2)
+    a = queue(state, "a", SHARED + [1] * 5)  # three keyed blocks, 53 tokens
+    # 32 tokens end on block 2; the next segment is cut where block 3 ends, so its mark is
+    # taken there; the rest carries none
+    got = segments(state)
+    assert [(s, n) for s, n, _ in got] == [(0, 32), (32, 16), (48, 5)]
+    pool = state.pools[0]
+    assert got[2][2] == -1 and pool.mark_of == {a.blocks[1]: got[0][2], a.blocks[2]: got[1][2]}
+    first_token(state, a)
+    b = queue(state, "b", SHARED + [7] * 3, order=1)
+    plan_step(state)
+    assert b.num_cached == 3 * BLOCK and b.restore_mark == got[1][2]
+    assert b.blocks[:3] == a.blocks[:3]
+
+
+def test_with_marks_a_hit_stops_at_the_last_block_that_kept_its_mark() -> None:
+    state = marked_state(marks=1)  # one mark: the second block's is taken by the third's
+    a = queue(state, "a", SHARED + [1] * 5)
+    plan_step(state)
+    pool = state.pools[0]
+    assert list(pool.mark_of) == [a.blocks[2]]
+    first_token(state, a)
+    c = queue(state, "c", SHARED + [8], order=1)
+    plan_step(state)
+    assert c.num_cached == 3 * BLOCK and c.restore_mark == pool.mark_of[a.blocks[2]]
+    b = queue(state, "b", SHARED[: 2 * BLOCK] + [9] * 20, order=2)  # shares two blocks
+    plan_step(state)
+    assert b.num_cached == 0 and b.restore_mark == -1  # the mark at their end is gone
+
+
+def test_a_block_handed_out_again_loses_its_mark() -> None:
+    pool = BlockPool(2, num_marks=2)
+    [first, second] = pool.take(2)
+    marks = {pool.mark_for(first), pool.mark_for(second)}
+    assert marks == {0, 1} and pool.mark_for(first) == pool.mark_of[first]
+    pool.release([first, second])
+    [taken] = pool.take(1)
+    [kept] = {first, second} - {taken}
+    assert taken not in pool.mark_of and pool.use_mark(taken) == -1
+    assert pool.use_mark(kept) >= 0
+    assert pool.mark_for(taken) != pool.mark_of[kept]  # the freed mark, not the kept one

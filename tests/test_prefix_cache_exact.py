@@ -2,7 +2,8 @@
 with blocks another request computed skip those blocks' prefill, copied from a running
 request's slot or found in a freed one (or, in a cache of blocks, holding the same blocks),
 and get the tokens and logprobs they get with prefix caching off, bit for bit: greedy and
-seeded sampling, with and without MTP, for Llama and DeepSeek-V3. A cache of blocks too
+seeded sampling, with and without MTP, for Llama, DeepSeek-V3 and DeepSeek-V4 (whose rings
+come back from marks, in a cache of blocks only). A cache of blocks too
 small for every request at once preempts and resumes them with the same tokens. The
 planner and a rank run in this process, as the pool runs them."""
 
@@ -86,9 +87,9 @@ def serve(
     """Serve the workload (or `requests`) on one rank: slots reserving every position, or
     a cache of `blocks` blocks of `block_size` tokens."""
     memory = None
-    if blocks:
-        per_token = loaded.model.new_state(1, block_size, block_size, 1).bytes_per_token
-        memory = blocks * block_size * per_token
+    if blocks:  # the blocks, and the slots' own state beside them (V4's rings and marks)
+        probe = loaded.model.new_state(1, block_size, block_size, 1)
+        memory = blocks * block_size * probe.bytes_per_token + 6 * probe.fixed_bytes
     settings = Settings(
         model="tiny",
         device="cpu",
@@ -102,7 +103,7 @@ def serve(
         kv_cache_memory=memory,
     )
     runner = LaunchRunner(loaded.model, settings.launch_shapes())
-    assert runner.prefix_cacheable and runner.kv_blocks == blocks
+    assert runner.kv_blocks == blocks and (runner.prefix_cacheable or not prefix_caching)
     rank = LocalRank(runner, loaded.tokenizer, (), MAX_MODEL_LEN)
     config = PlannerConfig(
         1,
@@ -111,7 +112,7 @@ def serve(
         4,
         128,
         2,
-        pack_prefill=True,
+        pack_prefill=runner.packs,
         prefix_caching=prefix_caching,
         mtp=mtp,
         block_size=block_size,
@@ -119,7 +120,7 @@ def serve(
         max_kv_len=settings.max_kv_len,
     )
     state = PoolState(config)
-    join_rank(state, 0, blocks)
+    join_rank(state, 0, blocks, runner.kv_marks)
     pending = requests if requests is not None else workload(loaded.config.vocab_size)
     tracked: dict[str, Tracked] = {}
     served = Served()
@@ -179,8 +180,12 @@ def check_exact(loaded: LoadedModel, mtp: bool, blocks: int = 0) -> None:
         assert hit.copied >= 3 and hit.in_place >= 3, (hit.copied, hit.in_place)
     assert sum(miss.cached.values()) == 0
     recompute = 1 if mtp else 0
-    assert hit.cached["r1"] == 256 - recompute  # two blocks, copied from r0's running slot
-    assert hit.cached["r4"] == 255  # the whole prompt cached: its last token is computed
+
+    def resumed(cached: int) -> int:  # unpacked, prefill resumes on a chunk's boundary
+        return cached if loaded.model.packs else cached - cached % 128
+
+    assert hit.cached["r1"] == resumed(256 - recompute)  # two blocks, from r0's
+    assert hit.cached["r4"] == resumed(255)  # the whole prompt cached: its last token computed
     assert hit.cached["r9"] == 0  # shares nothing
     for name, tokens in miss.tokens.items():
         assert len(tokens) == MAX_TOKENS
@@ -264,9 +269,33 @@ def test_deepseek_v3_hits_give_the_tokens_and_logprobs_of_misses(
     check_exact(loaded, mtp=mtp, blocks=40)
 
 
-def test_deepseek_v4_state_refuses_to_share_a_prefix() -> None:
+@pytest.fixture(scope="module")
+def deepseek_v4(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Small windows (16 positions, compress rates 4 and 16), so the shared prompt crosses
+    many of the rings' windows, and an MTP block."""
     make = pytest.importorskip("npu_worker.weights.makers.deepseek_v4")
-    assert make is not None
-    from npu_worker.models.deepseek_v4.state import DeepseekV4State
+    path = tmp_path_factory.mktemp("v4") / "small"
+    make.build(path, "small", mtp=True)
+    return path
 
-    assert DeepseekV4State.prefix_cacheable is False
+
+@pytest.mark.parametrize("mtp", [False, True])
+def test_deepseek_v4_hits_give_the_tokens_and_logprobs_of_misses(
+    deepseek_v4: Path, mtp: bool
+) -> None:
+    """V4's rings are restored from the mark taken where the shared blocks end; misses run
+    in slots that reserve every position."""
+    loaded = load_model(deepseek_v4, "float32", torch.device("cpu"), MAX_MODEL_LEN, mtp=mtp)
+    check_exact(loaded, mtp=mtp, blocks=40)
+
+
+def test_deepseek_v4_shares_a_prefix_only_in_a_cache_of_blocks(deepseek_v4: Path) -> None:
+    """With slots that reserve every position V4 keeps no marks, so it shares no prefix
+    (its rank tells the planner so) rather than share one inexactly."""
+    loaded = load_model(deepseek_v4, "float32", torch.device("cpu"), MAX_MODEL_LEN)
+    state = loaded.model.new_state(2, MAX_MODEL_LEN)
+    assert not state.prefix_cacheable and state.num_marks == 0
+    with pytest.raises(ValueError, match="only in a cache of blocks"):
+        state.copy_prefix(0, 1, 128)
+    paged = loaded.model.new_state(2, MAX_MODEL_LEN, 128, 8)
+    assert paged.prefix_cacheable and paged.num_marks == 2

@@ -80,6 +80,9 @@ class ModelState(Protocol):
     # whether the state is a pool of blocks the planner hands out (KVCache's `num_blocks`)
     paged: bool
     num_blocks: int
+    # copies of a slot's state that is not in blocks, taken at a block boundary, that a
+    # prefix shared by its blocks needs as well (DeepSeek-V4's rings); 0: blocks suffice
+    num_marks: int
 
     @property
     def bytes_per_token(self) -> int:
@@ -101,6 +104,19 @@ class ModelState(Protocol):
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Each pair's target block takes its source block's entries (blocks only)."""
+        ...
+
+    @property
+    def fixed_bytes(self) -> int:
+        """Bytes a cache of blocks holds outside its blocks (slots' and marks' own state)."""
+        ...
+
+    def save_mark(self, slot: int, mark: int) -> None:
+        """Mark `mark` takes a copy of the slot's state outside blocks (marks only)."""
+        ...
+
+    def restore_mark(self, mark: int, slot: int) -> None:
+        """The slot's state outside blocks becomes mark `mark`'s copy (marks only)."""
         ...
 
 
@@ -158,6 +174,16 @@ class KVCache:
         self.device = device
 
     prefix_cacheable = True
+    num_marks = 0  # a position's keys and values are all its state: blocks suffice
+    fixed_bytes = 0
+
+    def save_mark(self, slot: int, mark: int) -> None:
+        """Refused: a KV cache keeps no state outside its positions."""
+        raise ValueError("a KV cache keeps no marks")
+
+    def restore_mark(self, mark: int, slot: int) -> None:
+        """Refused: see `save_mark`."""
+        raise ValueError("a KV cache keeps no marks")
 
     def locate(
         self, slots: torch.Tensor, positions: torch.Tensor

@@ -12,6 +12,14 @@ with a request's length, live in blocks of `block_size` positions that the plann
 out (`block_size // rate` entries a block), read through the slot's table as the KV cache's
 are (models/launch.py); the rings, a window's worth each, stay one per slot.
 
+A prefix is shared by its blocks plus a *mark*: a copy of a slot's rings taken right after
+a launch whose chunk ends on a block boundary B (`save_mark`), as many marks as slots.
+Restored into a new request's slot (`restore_mark`), with the blocks before B shared, it
+is the state that computing positions [0, B) leaves, so prefill resumes at B; or at B - 1,
+rewriting position B - 1 with the same bits (at least the last prompt token is always
+computed; with MTP the block's last position is, its MTP row depending on the next token).
+A ring of `size` rows at B holds positions [B - size, B), all that position B - 1 reads.
+
 Every write is a function of the token at a position alone, and rows are read only where
 masks let them be seen, so state after any launches is the same however the tokens were
 split into launches, and a rejected draft leaves nothing a later launch reads: its window
@@ -30,9 +38,25 @@ from npu_worker.models.launch import assign_blocks
 class Ring:
     """Rows [slots, size + 1, ...] holding position p at row p % size; row `size` is scratch."""
 
-    def __init__(self, num_slots: int, size: int, row: tuple[int, ...], like: torch.Tensor) -> None:
+    def __init__(
+        self,
+        num_slots: int,
+        size: int,
+        row: tuple[int, ...],
+        like: torch.Tensor,
+        num_marks: int = 0,
+    ) -> None:
         self.size = size
         self.rows = torch.zeros((num_slots, size + 1, *row), dtype=like.dtype, device=like.device)
+        self.marks = torch.zeros((num_marks, size, *row), dtype=like.dtype, device=like.device)
+
+    def save(self, slot: int, mark: int) -> None:
+        """Mark `mark` takes a copy of the slot's rows (its scratch row aside)."""
+        self.marks[mark].copy_(self.rows[slot, : self.size])
+
+    def restore(self, mark: int, slot: int) -> None:
+        """The slot's rows become mark `mark`'s copy."""
+        self.rows[slot, : self.size].copy_(self.marks[mark])
 
     def recent(self, rows: torch.Tensor | slice, starts: torch.Tensor) -> torch.Tensor:
         """Each launch row's ring in position order: [B, size, ...], row j of launch row b
@@ -100,6 +124,10 @@ class Entries:
         at = torch.where(valid, safe % self.per_block, 0)
         self.rows[blocks, at] = values.to(self.rows.dtype)
 
+    def copy_blocks(self, source: torch.Tensor, target: torch.Tensor) -> None:
+        """Blocks `target` take blocks `source`'s entries (a cache of blocks)."""
+        self.rows[target] = self.rows[source]
+
     def read(self, rows: torch.Tensor | slice, slot_ids: torch.Tensor, count: int) -> torch.Tensor:
         """[B, count, dim]: each launch row's first `count` entries (`rows` its slots, in
         place where they are a window; through the tables in a cache of blocks)."""
@@ -144,9 +172,12 @@ class DeepseekV4State:
             self.tables = torch.full((num_slots, width), num_blocks, dtype=torch.long)
             self.tables = self.tables.to(device)
         blocks = (self.tables, block_size, num_blocks)
+        # a prefix is shared in a cache of blocks, its rings by marks (one a slot)
+        self.prefix_cacheable = self.paged
+        self.num_marks = marks = num_slots if self.paged else 0
         d, di = config.head_dim, config.index_head_dim
         self.window = [
-            Ring(num_slots, config.sliding_window + 1, (d,), like) for _ in range(num_layers)
+            Ring(num_slots, config.sliding_window + 1, (d,), like, marks) for _ in range(num_layers)
         ]
         self.entries: list[Entries | None] = []
         self.index_keys: list[Entries | None] = []
@@ -163,19 +194,33 @@ class DeepseekV4State:
             )
             width = 2 * d if csa else d
             self.projections.append(
-                Ring(num_slots, 2 * rate if csa else rate, (2, width), like) if rate else None
+                Ring(num_slots, 2 * rate if csa else rate, (2, width), like, marks)
+                if rate
+                else None
             )
             self.index_projections.append(
-                Ring(num_slots, 2 * rate, (2, 2 * di), like) if csa else None
+                Ring(num_slots, 2 * rate, (2, 2 * di), like, marks) if csa else None
             )
 
-    # a slot's compressor rings and partial windows at a block's end are not kept apart
-    # from what comes after it, so a prefix cannot be copied out of a slot
-    prefix_cacheable = False
+    def rings(self) -> list[Ring]:
+        """Every layer's rings: what a slot holds whatever its length."""
+        rings = [r for r in (*self.projections, *self.index_projections) if r is not None]
+        return [*self.window, *rings]
 
     def copy_prefix(self, source: int, target: int, num_tokens: int) -> None:
-        """Refused: see `prefix_cacheable`."""
-        raise ValueError("DeepSeek-V4's state cannot share a prefix between slots")
+        """Refused: with slots that reserve every position, a slot's rings at a prefix's
+        end are not kept apart from what comes after it (a cache of blocks keeps marks)."""
+        raise ValueError("DeepSeek-V4's state shares a prefix only in a cache of blocks")
+
+    def save_mark(self, slot: int, mark: int) -> None:
+        """Mark `mark` takes a copy of the slot's rings, as they are now."""
+        for ring in self.rings():
+            ring.save(slot, mark)
+
+    def restore_mark(self, mark: int, slot: int) -> None:
+        """The slot's rings become mark `mark`'s copy."""
+        for ring in self.rings():
+            ring.restore(mark, slot)
 
     def assign(self, slot: int, start: int, blocks: list[int]) -> None:
         """Slot `slot`'s table from entry `start` on names `blocks` (a cache of blocks)."""
@@ -184,9 +229,17 @@ class DeepseekV4State:
         assign_blocks(self.tables, self.num_blocks, slot, start, blocks)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Refused: a block's entries are not all a request's state at its boundary (the
-        rings and partial windows are not kept per block), so no prefix is shared."""
-        raise ValueError("DeepSeek-V4's state cannot share a prefix between requests")
+        """Each pair's target block takes its source block's entries and index keys, every
+        layer's (a cache of blocks)."""
+        if not pairs:
+            return
+        if not self.paged:
+            raise ValueError("this DeepSeek-V4 state reserves every position a slot")
+        source = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=self.device)
+        target = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=self.device)
+        for entries in (*self.entries, *self.index_keys):
+            if entries is not None:
+                entries.copy_blocks(source, target)
 
     @property
     def scratch_position(self) -> int:
@@ -213,6 +266,9 @@ class DeepseekV4State:
     @property
     def bytes_per_slot_fixed(self) -> int:
         """State bytes a slot holds whatever its length: its rings."""
-        rings = [r for r in (*self.projections, *self.index_projections) if r is not None]
-        rings += self.window
-        return sum(r.rows[0].numel() * r.rows.element_size() for r in rings)
+        return sum(r.rows[0].numel() * r.rows.element_size() for r in self.rings())
+
+    @property
+    def fixed_bytes(self) -> int:
+        """State bytes outside blocks: every slot's rings, and the marks'."""
+        return sum(r.rows.nbytes + r.marks.nbytes for r in self.rings())
