@@ -4,7 +4,8 @@ of `transformers`' own greedy `generate` (one prompt at a time: its V4 is right 
 batch size 1), with small windows and with V4-Flash's 128/4/128; the indexer's ties go to
 the lowest entry whatever the launch; per-slot state is the size its formula says; through
 a real pool, two expert-parallel ranks serve 48 concurrent requests with the tokens each
-gets alone on one rank, and a rank killed mid-decode changes no token; with the MTP module
+gets alone on one rank, a rank killed mid-decode changes no token, and prefix hits in a
+cache of blocks (with MTP) get the misses' tokens and logprobs; with the MTP module
 greedy tokens are those without it and sampled ones follow the same distribution, and a
 rejected draft at a window boundary leaves nothing a later launch reads; FP8 attention
 weights load as their dequantized blocks, and so does a checkpoint in DeepSeek's release
@@ -250,6 +251,70 @@ def test_killing_an_expert_parallel_rank_mid_decode_loses_nothing_and_changes_no
     assert {c.name: c.restarts for c in pool.processes.children}["rank1"] >= 1
     wait_until(lambda: redis_client.xlen(keys.requests) == 0, what="every entry deleted")
     assert redis_client.xlen(keys.dead) == 0
+
+
+def test_expert_parallel_prefix_hits_with_mtp_give_the_tokens_and_logprobs_of_misses(
+    checkpoints: dict[str, Path], start_pool: StartPool, client: Client
+) -> None:
+    """Two expert-parallel ranks with MTP and a cache of blocks, the same requests with
+    prefix caching on and off (one pool after the other): the hits restore the rings from
+    the mark where their shared blocks end and get the misses' tokens and logprobs bit for
+    bit, greedy and seeded sampling alike."""
+    path = checkpoints["small"]
+    probe = load_model(path, "float32", torch.device("cpu"), MAX_MODEL_LEN, mtp=True).model
+    state = probe.new_state(1, 128, 128, 1)
+    memory = 48 * 128 * state.bytes_per_token + 8 * state.fixed_bytes
+    rng = random.Random(27)
+    system = random_prompt(rng, 300, make.VOCAB_SIZE)
+    prompts = [system + random_prompt(rng, rng.randint(4, 40), make.VOCAB_SIZE) for _ in range(6)]
+    options = [
+        {"temperature": 0.9, "seed": 80 + i} if i % 2 else {"temperature": 0.0}
+        for i in range(len(prompts))
+    ]
+    served: dict[bool, list[tuple[list[int], list[object], int]]] = {}
+    for caching in (True, False):
+        pool = start_pool(
+            model=str(path),
+            ranks=2,
+            expert_parallel=True,
+            mtp=True,
+            decode_batch=4,
+            kv_slots_per_rank=8,
+            kv_cache_memory=memory,
+            max_model_len=MAX_MODEL_LEN,
+            prefix_caching=caching,
+        )
+        results = []
+        for first in (True, False):  # the first prompt alone, then the rest at once
+            batch = [0] if first else list(range(1, len(prompts)))
+            ids = [
+                client.submit(
+                    prompt_token_ids=prompts[i],
+                    max_tokens=10,
+                    ignore_eos=True,
+                    logprobs=2,
+                    **options[i],
+                )
+                for i in batch
+            ]
+            for request_id in ids:
+                chunks = list(client.stream(request_id, timeout_s=180))
+                logprobs = [entry for chunk in chunks for entry in chunk.logprobs or []]
+                usage = chunks[-1].usage
+                assert usage is not None
+                results.append((check_stream(chunks), logprobs, usage.cached_tokens))
+        served[caching] = results
+        pool.supervised = False
+        pool.processes.stop(timeout_s=30)
+    hits, misses = served[True], served[False]
+    assert [cached for _, _, cached in misses] == [0] * len(prompts)
+    # with MTP the last cached position is computed again, and V4's unpacked prefill
+    # resumes on a chunk's boundary: the first block's end
+    assert hits[0][2] == 0 and all(cached == 128 for _, _, cached in hits[1:]), hits
+    for (tokens, logprobs, _), (want_tokens, want_logprobs, _) in zip(hits, misses):
+        assert len(tokens) == len(logprobs) == 10
+        assert tokens == want_tokens
+        assert logprobs == want_logprobs
 
 
 def test_a_rejected_draft_at_a_window_boundary_leaves_nothing_a_later_launch_reads(
