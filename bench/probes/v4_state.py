@@ -97,7 +97,9 @@ def main() -> None:
     size = args.dtype_bytes
     print(
         f"blocks of {BLOCK}: {fixed * size / 2**20:.2f} MiB of rings a request, "
-        f"{per_block * size / 2**10:.1f} KiB a block"
+        f"{per_block * size / 2**10:.1f} KiB a block; a rank keeps as many marks as slots "
+        f"(copies of the rings, less their scratch rows, where prefixes resume), each at most "
+        f"{fixed * size / 2**20:.2f} MiB"
     )
     for length in REQUEST_LENGTHS:
         total = (fixed + -(-length // BLOCK) * per_block) * size
