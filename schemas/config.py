@@ -98,8 +98,8 @@ class Settings(BaseSettings):
     prefix_caching: bool = Field(
         default=True,
         description="a prompt that starts with full blocks a slot of its rank holds skips "
-        "their prefill (exact: a hit's tokens are a miss's); off on ranks whose model "
-        "state is more than a KV cache",
+        "their prefill (exact: a hit's tokens are a miss's); DeepSeek-V4 only in a cache of "
+        "blocks (--kv-cache-memory or --kv-cache-fraction)",
     )
     block_size: int = Field(
         default=128, ge=1, le=4096, description="tokens per cache block: what prefixes share"

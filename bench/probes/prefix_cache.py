@@ -39,6 +39,7 @@ from bench.peers.vllm_env import check_vllm_peer
 from npu_pool.embedded import EmbeddedRedis
 from npu_pool.launcher import PoolProcesses
 from producer.client import Client
+from producer.status import collect_status
 from schemas.config import Settings
 
 
@@ -95,6 +96,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+# what the pool's status counts of its launches: how full its prefill launches ran
+LAUNCH_COUNTS = (
+    "steps",
+    "prefill_launches",
+    "prefill_tokens",
+    "decode_launches",
+    "padding_rows",
+    "rank_time_us",
+)
+
+
 def pool_settings(url: str, args: argparse.Namespace, caching: bool) -> Settings:
     return Settings(
         redis_url=url,
@@ -122,7 +134,14 @@ def run(
     try:
         with Client(url) as client:
             client.wait_ready(timeout_s=900, pool=settings.pool)
-        return measure(prompts, args, functools.partial(RedisSender, url))
+            result = measure(prompts, args, functools.partial(RedisSender, url))
+            [pool] = [
+                p
+                for p in collect_status(client.redis, client.keys)["pools"]
+                if p["pool"] == settings.pool
+            ]
+            result["launches"] = {name: pool[name] for name in LAUNCH_COUNTS if name in pool}
+        return result
     finally:
         processes.stop(timeout_s=30)
 

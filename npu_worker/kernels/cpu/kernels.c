@@ -429,7 +429,9 @@ int decode_attention(const void *q, const void *k, const void *v, const int64_t 
     /* a task: one row and KV head's positions s0..s0+per (all of them in decode); a prefill
        row's positions split so each thread has about eight tasks (B1S128: one row, a few
        KV heads), at least 16 positions each. A query's scores and sums are its own, so how
-       the positions are split changes no bit */
+       the positions are split changes no bit. Tasks go to whichever thread is free next:
+       a launch's rows differ in length (a prefill launch's padding, all at its end, reads
+       nothing), and on a busy CPU one thread may be held up */
     int rows = batch * kv_heads, parts = 1;
     if (seq > 1 && threads > 1) {
         parts = (8 * threads + rows - 1) / rows;
@@ -450,7 +452,7 @@ int decode_attention(const void *q, const void *k, const void *v, const int64_t 
         int64_t *limit = malloc((size_t)seq * sizeof(int64_t));
         const char **kb = malloc((size_t)blocks * 2 * sizeof(char *)), **vb = kb + blocks;
         if (!work || !qrow || !qh || !limit || !kb) failed = 1;
-        #pragma omp for schedule(static)
+        #pragma omp for schedule(dynamic, 1)
         for (int task = 0; task < batch * kv_heads * parts; task++) {
             if (!work || !qrow || !qh || !limit || !kb) continue;
             int b = task / (kv_heads * parts), h = task / parts % kv_heads;
