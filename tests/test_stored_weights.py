@@ -35,7 +35,7 @@ from npu_worker.kernels.cpu.library import has_kernel_linear, load_cpu_kernels
 from npu_worker.kernels.cpu.products import KernelProduct
 from npu_worker.models.config import UnsupportedModel
 from npu_worker.models.deepseek_v3.model import LatentAttention
-from npu_worker.models.stored import Fp8Blocks, Int8Channels, Mxfp4, StoredLinear
+from npu_worker.models.stored import Fp8Blocks, Int8Channels, Mxfp4, StoredLinear, int_sums
 from npu_worker.runner import LaunchRunner
 from npu_worker.weights.checkpoint import read_weights
 from npu_worker.weights.loader import LoadedModel, load_model
@@ -71,13 +71,11 @@ def one_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """FP8 V3 (`weight_scale_inv`), V4's release with FP8 attention and MXFP4 experts, and
-    the tiny Llama as W8A8."""
+    """FP8 V3 (`weight_scale_inv`) and V4's release with FP8 attention and MXFP4 experts."""
     root = tmp_path_factory.mktemp("stored")
-    made = {"v3-fp8": root / "v3-fp8", "v4-fp4": root / "v4-fp4", "w8a8": root / "w8a8"}
+    made = {"v3-fp8": root / "v3-fp8", "v4-fp4": root / "v4-fp4"}
     v3.build(made["v3-fp8"], q_lora=True, fp8=True)
     v4.build(made["v4-fp4"], "small", release=True, fp8=True, fp4_experts=True)
-    w8a8.quantize(ensure_tiny_model(), made["w8a8"])
     return made
 
 
@@ -258,10 +256,38 @@ def w8a8_reference(loaded: LoadedModel) -> None:
         layer.forward = forward.__get__(layer)  # type: ignore[method-assign]
 
 
+@pytest.fixture(scope="module")
+def w8a8_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama as W8A8 alone (the fast tier's, and each instruction set's in CI)."""
+    path = tmp_path_factory.mktemp("stored") / "w8a8"
+    w8a8.quantize(ensure_tiny_model(), path)
+    return path
+
+
+@pytest.mark.fast
+def test_int8_sums_are_exact_where_pairs_of_byte_products_overflow_int16() -> None:
+    """The W8A8 product's integer sums, on whatever product this CPU (or its
+    `NPUPOOL_CPU_ISA`) gives: oneDNN's where it is exact, else float32 parts of at most
+    1,024 inputs; the widest products (127 * 127 in pairs, -128 * -127) and more inputs
+    than one part holds, against int64 sums."""
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randint(-128, 128, (5, 2500), generator=generator, dtype=torch.int8)
+    weight = torch.randint(-127, 128, (40, 2500), generator=generator, dtype=torch.int8)
+    q[0], weight[0] = 127, 127
+    q[1], weight[1] = -128, -127
+    want = q.long() @ weight.long().t()
+    got = int_sums(q, weight)
+    assert got.dtype == torch.int32 and torch.equal(got.long(), want)
+    assert want.abs().max() > 2**24  # beyond float32's exact integers in one sum
+    for rows in (1, 3):  # a row's sums are its own
+        assert torch.equal(int_sums(q[:rows].contiguous(), weight), got[:rows])
+
+
+@pytest.mark.fast
 def test_w8a8_weights_stay_int8_and_give_the_tokens_of_a_float64_reference(
-    checkpoints: dict[str, Path],
+    w8a8_checkpoint: Path,
 ) -> None:
-    path = checkpoints["w8a8"]
+    path = w8a8_checkpoint
     loaded = load_model(path, "float32", CPU, MAX_MODEL_LEN)
     layers = stored_layers(loaded)
     assert len(layers) >= 4 and all(isinstance(x.stored, Int8Channels) for x in layers.values())
@@ -453,7 +479,7 @@ def test_every_packed_bfloat16_weight_is_held_once(kernel_products: bool) -> Non
 
 
 def test_formats_it_cannot_read_fail_at_start_naming_them(
-    checkpoints: dict[str, Path], tmp_path: Path
+    checkpoints: dict[str, Path], w8a8_checkpoint: Path, tmp_path: Path
 ) -> None:
     fp4 = tmp_path / "fp4-bad-scales"
     shutil.copytree(checkpoints["v4-fp4"], fp4)
@@ -465,7 +491,7 @@ def test_formats_it_cannot_read_fail_at_start_naming_them(
         load_model(fp4, "float32", CPU, MAX_MODEL_LEN)
 
     int4 = tmp_path / "int4"
-    shutil.copytree(checkpoints["w8a8"], int4)
+    shutil.copytree(w8a8_checkpoint, int4)
     config = json.loads((int4 / "config.json").read_text())
     config["quantization_config"]["config_groups"]["group_0"]["weights"]["num_bits"] = 4
     (int4 / "config.json").write_text(json.dumps(config))

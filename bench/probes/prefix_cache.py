@@ -7,8 +7,9 @@ output tokens/s over the whole run, TTFT p50/p90 of the requests whose prompt ca
 the cache (`usage.cached_tokens` > 0) and of the others, of the requests sent after the
 first burst (each as an earlier one ended), and the share of prompt tokens served from
 the cache. The two runs alternate `--rounds` times; the pool restarts between
-them. With `--vllm-python PATH` (and `--model DIR`, a directory vLLM reads), vLLM's OpenAI
-server then serves the same prompts at the same concurrency with its prefix caching on,
+them. With `--vllm-python PATH` (and `--model DIR`, a directory vLLM reads), each round
+ends with a fresh vLLM OpenAI server serving the same prompts at the same concurrency with
+its prefix caching on (paired with the pool's runs of that round),
 as many model threads as the pool's ranks have, streamed over HTTP (the pool is driven
 through its Redis client). `--kv-cache-memory SIZE` runs the pool's cache as blocks of
 that many bytes a rank (a hit then shares the cached blocks instead of copying them).
@@ -77,17 +78,19 @@ def main(argv: list[str] | None = None) -> int:
         system + [rng.randrange(100, 20000) for _ in range(rng.randrange(16, 64))]
         for _ in range(args.requests)
     ]
+    if args.vllm_python:
+        runs["vllm_on"] = []
     try:
-        for round_ in range(args.rounds):
+        for round_ in range(args.rounds):  # each round: the pool's runs, then vLLM's
             for mode in args.modes:
                 result = run(url, workdir / f"{mode}{round_}", args, prompts, mode == "on")
                 runs[mode].append(result)
                 print(f"{mode}: {json.dumps(result)}", file=sys.stderr)
+            if args.vllm_python:  # a fresh server each round, as the pool's are fresh
+                runs["vllm_on"].append(run_vllm(workdir, args, prompts))
+                print(f"vllm_on: {json.dumps(runs['vllm_on'][-1])}", file=sys.stderr)
     finally:
         server.stop()
-    if args.vllm_python:
-        runs["vllm_on"] = [run_vllm(workdir, args, prompts)]
-        print(f"vllm_on: {json.dumps(runs['vllm_on'][0])}", file=sys.stderr)
     report = {"settings": vars(args) | {"json": str(args.json)}, "runs": runs}
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

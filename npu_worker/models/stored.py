@@ -12,7 +12,9 @@ Three stored forms, each resident as the checkpoint has it:
 - `Int8Channels`: W8A8 as compressed-tensors writes it: int8 weights [out, in], a float
   scale per output channel; activations are quantized per token to int8 at each call
   (symmetric, scale = max |x| / 127, rounded half to even), the products summed exactly in
-  int32 (`torch._int_mm`), then scaled.
+  int32 (`torch._int_mm`), then scaled. Where oneDNN's int8 product is not exact (on CPUs
+  without VNNI it adds pairs of byte products in int16, which saturates), the sums come
+  from float32 products of at most 1,024 inputs, exact integers all (`int_sums`).
 
 A `StoredLinear` is an `nn.Linear` that may hold one of these in place of its float weight
 (`keep_stored`). FP8 and MXFP4 layers widen the weight to the input's dtype at each call,
@@ -27,6 +29,7 @@ widened weight is the same for every call, and integer sums are exact.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -175,13 +178,43 @@ def int8_linear(x: torch.Tensor, stored: Int8Channels) -> torch.Tensor:
     """x [N, in] times a W8A8 weight: activations quantized per token, int32 sums, then
     both scales; float32 [N, out]."""
     q, scale = quantize_tokens(x)
-    if x.device.type == "cpu" or q.shape[0] > 16:
-        sums = torch._int_mm(q, stored.weight.t())
-    else:  # CUDA's int8 product takes more than 16 rows: the sums are exact either way
-        padded = q.new_zeros(17, q.shape[1])
-        padded[: q.shape[0]] = q
-        sums = torch._int_mm(padded, stored.weight.t())[: q.shape[0]]
-    return sums.float() * scale * stored.scale.float()
+    return int_sums(q, stored.weight).float() * scale * stored.scale.float()
+
+
+EXACT_INPUTS = 1024  # |a . b| <= 1024 * 128 * 127 < 2^24 for int8 a, b: exact in float32
+
+
+def int_sums(q: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """q [N, in] int8 times weight [out, in] int8: the exact int32 sums [N, out]."""
+    if q.device.type == "cpu" and not cpu_int_mm_exact():
+        total = torch.zeros(q.shape[0], weight.shape[0], dtype=torch.float64)
+        for start in range(0, q.shape[1], EXACT_INPUTS):  # each part's sums exact integers
+            part = slice(start, start + EXACT_INPUTS)
+            total += (q[:, part].float() @ weight[:, part].float().t()).double()
+        return total.to(torch.int32)
+    if q.device.type == "cpu" or q.shape[0] > 16:
+        return torch._int_mm(q, weight.t())
+    # CUDA's int8 product takes more than 16 rows: the sums are exact either way
+    padded = q.new_zeros(17, q.shape[1])
+    padded[: q.shape[0]] = q
+    return torch._int_mm(padded, weight.t())[: q.shape[0]]
+
+
+@functools.cache
+def cpu_int_mm_exact() -> bool:
+    """Whether `torch._int_mm` sums int8 products exactly on this CPU: on one without VNNI
+    (or with oneDNN capped below it) oneDNN adds pairs of byte products in int16, and a
+    pair of 127 * 127 products (255 * 127 after its shift to unsigned) saturates."""
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randint(-128, 128, (8, 256), generator=generator, dtype=torch.int8)
+    b = torch.randint(-127, 128, (256, 32), generator=generator, dtype=torch.int8)
+    a[0], b[:, 0] = 127, 127  # the pairs that saturate
+    a[1], b[:, 1] = -128, -127
+    try:
+        got = torch._int_mm(a, b)
+    except RuntimeError:
+        return False
+    return torch.equal(got.long(), a.long() @ b.long())
 
 
 _FROM_CHECKPOINT = ContextVar("from_checkpoint", default=False)
