@@ -10,6 +10,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tokenizers import Tokenizer
@@ -24,6 +25,10 @@ from schemas.config import Settings
 from schemas.control import RankStepPlan, StepResult
 from schemas.messages import ResultChunk
 from tests.reference import ReferenceCompletion, generate_alone
+
+if TYPE_CHECKING:
+    from producer.client import Client
+    from tests.conftest import StartPool
 
 # float32 rows computed in different batch positions may differ by rounding; a top-2 gap
 # under this is a near-tie that may resolve either way (docs/architecture.md §7).
@@ -151,3 +156,44 @@ def interrupt_once_shown(
     out = bytes(seen) + out
     assert not failure, f"{failure}:\n{out.decode()[-2000:]}\n{err.decode()[-2000:]}"
     return out, err
+
+
+Served = tuple[list[int], list[Any], int]  # tokens, logprobs, cached prompt tokens
+
+
+def served_with_and_without_prefix_caching(
+    start_pool: StartPool,
+    client: Client,
+    prompts: list[list[int]],
+    options: list[dict[str, Any]],
+    max_tokens: int,
+    **settings: Any,
+) -> tuple[list[Served], list[Served]]:
+    """The same requests on a pool with prefix caching on, then on one with it off (one
+    pool after the other): the first prompt alone, then the rest at once. Returns (hits,
+    misses), each request's tokens, logprobs and cached prompt tokens in prompt order."""
+    served: dict[bool, list[Served]] = {}
+    for caching in (True, False):
+        pool = start_pool(prefix_caching=caching, **settings)
+        results: list[Served] = []
+        for batch in ([0], list(range(1, len(prompts)))):
+            ids = [
+                client.submit(
+                    prompt_token_ids=prompts[i],
+                    max_tokens=max_tokens,
+                    ignore_eos=True,
+                    logprobs=2,
+                    **options[i],
+                )
+                for i in batch
+            ]
+            for request_id in ids:
+                chunks = list(client.stream(request_id, timeout_s=180))
+                logprobs = [entry for chunk in chunks for entry in chunk.logprobs or []]
+                usage = chunks[-1].usage
+                assert usage is not None
+                results.append((check_stream(chunks), logprobs, usage.cached_tokens))
+        served[caching] = results
+        pool.supervised = False
+        pool.processes.stop(timeout_s=30)
+    return served[True], served[False]

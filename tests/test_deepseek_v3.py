@@ -21,7 +21,13 @@ from producer.status import PoolFailed, collect_status
 from schemas.config import Settings
 from schemas.keys import Keys
 from tests.conftest import StartPool
-from tests.helpers import TIE_TOLERANCE, check_stream, random_prompt, wait_until
+from tests.helpers import (
+    TIE_TOLERANCE,
+    check_stream,
+    random_prompt,
+    served_with_and_without_prefix_caching,
+    wait_until,
+)
 from tests.reference import (
     ReferenceCompletion,
     beside_differs,
@@ -322,40 +328,19 @@ def test_expert_parallel_prefix_hits_give_the_tokens_and_logprobs_of_misses(
         {"temperature": 0.9, "seed": 70 + i} if i % 2 else {"temperature": 0.0}
         for i in range(len(prompts))
     ]
-    served: dict[bool, list[tuple[list[int], list[object], int]]] = {}
-    for caching in (True, False):
-        pool = start_pool(
-            model=str(path),
-            ranks=2,
-            expert_parallel=True,
-            decode_batch=4,
-            kv_slots_per_rank=8,
-            max_model_len=MAX_MODEL_LEN,
-            prefix_caching=caching,
-        )
-        results = []
-        for first in (True, False):  # the first prompt alone, then the rest at once
-            batch = [0] if first else list(range(1, len(prompts)))
-            ids = [
-                client.submit(
-                    prompt_token_ids=prompts[i],
-                    max_tokens=10,
-                    ignore_eos=True,
-                    logprobs=2,
-                    **options[i],
-                )
-                for i in batch
-            ]
-            for request_id in ids:
-                chunks = list(client.stream(request_id, timeout_s=180))
-                logprobs = [entry for chunk in chunks for entry in chunk.logprobs or []]
-                usage = chunks[-1].usage
-                assert usage is not None
-                results.append((check_stream(chunks), logprobs, usage.cached_tokens))
-        served[caching] = results
-        pool.supervised = False
-        pool.processes.stop(timeout_s=30)
-    hits, misses = served[True], served[False]
+    hits, misses = served_with_and_without_prefix_caching(
+        start_pool,
+        client,
+        prompts,
+        options,
+        10,
+        model=str(path),
+        ranks=2,
+        expert_parallel=True,
+        decode_batch=4,
+        kv_slots_per_rank=8,
+        max_model_len=MAX_MODEL_LEN,
+    )
     assert [cached for _, _, cached in misses] == [0] * len(prompts)
     assert hits[0][2] == 0 and all(cached == 256 for _, _, cached in hits[1:]), hits
     for (tokens, logprobs, _), (want_tokens, want_logprobs, _) in zip(hits, misses):

@@ -35,7 +35,13 @@ from producer.client import Client
 from producer.status import collect_status
 from schemas.keys import Keys
 from tests.conftest import StartPool
-from tests.helpers import TIE_TOLERANCE, check_stream, random_prompt, wait_until
+from tests.helpers import (
+    TIE_TOLERANCE,
+    check_stream,
+    random_prompt,
+    served_with_and_without_prefix_caching,
+    wait_until,
+)
 from tests.reference import (
     ReferenceCompletion,
     beside_differs,
@@ -271,42 +277,21 @@ def test_expert_parallel_prefix_hits_with_mtp_give_the_tokens_and_logprobs_of_mi
         {"temperature": 0.9, "seed": 80 + i} if i % 2 else {"temperature": 0.0}
         for i in range(len(prompts))
     ]
-    served: dict[bool, list[tuple[list[int], list[object], int]]] = {}
-    for caching in (True, False):
-        pool = start_pool(
-            model=str(path),
-            ranks=2,
-            expert_parallel=True,
-            mtp=True,
-            decode_batch=4,
-            kv_slots_per_rank=8,
-            kv_cache_memory=memory,
-            max_model_len=MAX_MODEL_LEN,
-            prefix_caching=caching,
-        )
-        results = []
-        for first in (True, False):  # the first prompt alone, then the rest at once
-            batch = [0] if first else list(range(1, len(prompts)))
-            ids = [
-                client.submit(
-                    prompt_token_ids=prompts[i],
-                    max_tokens=10,
-                    ignore_eos=True,
-                    logprobs=2,
-                    **options[i],
-                )
-                for i in batch
-            ]
-            for request_id in ids:
-                chunks = list(client.stream(request_id, timeout_s=180))
-                logprobs = [entry for chunk in chunks for entry in chunk.logprobs or []]
-                usage = chunks[-1].usage
-                assert usage is not None
-                results.append((check_stream(chunks), logprobs, usage.cached_tokens))
-        served[caching] = results
-        pool.supervised = False
-        pool.processes.stop(timeout_s=30)
-    hits, misses = served[True], served[False]
+    hits, misses = served_with_and_without_prefix_caching(
+        start_pool,
+        client,
+        prompts,
+        options,
+        10,
+        model=str(path),
+        ranks=2,
+        expert_parallel=True,
+        mtp=True,
+        decode_batch=4,
+        kv_slots_per_rank=8,
+        kv_cache_memory=memory,
+        max_model_len=MAX_MODEL_LEN,
+    )
     assert [cached for _, _, cached in misses] == [0] * len(prompts)
     # with MTP the last cached position is computed again, and V4's unpacked prefill
     # resumes on a chunk's boundary: the first block's end
