@@ -3,9 +3,10 @@ with blocks another request computed skip those blocks' prefill, copied from a r
 request's slot or found in a freed one (or, in a cache of blocks, holding the same blocks),
 and get the tokens and logprobs they get with prefix caching off, bit for bit: greedy and
 seeded sampling, with and without MTP, for Llama, DeepSeek-V3 and DeepSeek-V4 (whose rings
-come back from marks, in a cache of blocks only). A cache of blocks too
-small for every request at once preempts and resumes them with the same tokens. The
-planner and a rank run in this process, as the pool runs them."""
+come back from marks, in a cache of blocks only). A cache of blocks too small for every
+request at once preempts and resumes them with the same tokens (not yet bit for bit for
+DeepSeek-V4, whose recomputed tokens differ in their last bits: marked). The planner and a
+rank run in this process, as the pool runs them."""
 
 from __future__ import annotations
 
@@ -222,14 +223,29 @@ def test_llama_hits_holding_shared_blocks_give_the_tokens_and_logprobs_of_misses
     check_exact(tiny_mtp if mtp else tiny, mtp=mtp, blocks=40)
 
 
-@pytest.mark.parametrize("mtp", [False, True])
+V4_RECOMPUTES_OTHER_BITS = pytest.mark.xfail(
+    strict=True,
+    reason="a V4 token computed in a prefill launch differs in its last bits from the same "
+    "token decoded (torch picks a sum's order and a vectorised or scalar sigmoid by a "
+    "tensor's shape), so a resumed request's recomputed tokens are not bit for bit its own",
+)
+
+
+@pytest.mark.parametrize(
+    "model", ["llama", "llama-mtp", pytest.param("v4-mtp", marks=V4_RECOMPUTES_OTHER_BITS)]
+)
 def test_requests_preempted_for_blocks_resume_with_the_tokens_of_lone_runs(
-    tiny: LoadedModel, tiny_mtp: LoadedModel, mtp: bool
+    tiny: LoadedModel, tiny_mtp: LoadedModel, deepseek_v4: Path, model: str
 ) -> None:
     """Six requests that together outgrow a cache of 14 blocks of 16 tokens (each alone
     fits): the least urgent give their blocks back and resume later, recomputing what is
-    not cached; every token and logprob is what slots reserving every position give."""
-    loaded = tiny_mtp if mtp else tiny
+    not cached; every token and logprob is what slots reserving every position give
+    (DeepSeek-V4's rings start afresh and are computed again)."""
+    mtp = model.endswith("mtp")
+    if model == "v4-mtp":
+        loaded = load_model(deepseek_v4, "float32", torch.device("cpu"), MAX_MODEL_LEN, mtp=True)
+    else:
+        loaded = tiny_mtp if mtp else tiny
     rng = random.Random(11)
     vocab = loaded.config.vocab_size
     requests = []
