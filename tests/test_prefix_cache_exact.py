@@ -226,8 +226,10 @@ def test_llama_hits_holding_shared_blocks_give_the_tokens_and_logprobs_of_misses
 V4_RECOMPUTES_OTHER_BITS = pytest.mark.xfail(
     strict=True,
     reason="a V4 token computed in a prefill launch differs in its last bits from the same "
-    "token decoded (torch picks a sum's order and a vectorised or scalar sigmoid by a "
-    "tensor's shape), so a resumed request's recomputed tokens are not bit for bit its own",
+    "token decoded: the hyper-connections' sums and sigmoids take an order and a vectorised "
+    "or scalar loop by the tensor's shape, and the attention groups a query's keys by where "
+    "they sit among the launch's (the ring's rows, then the chunk's), so a resumed request's "
+    "recomputed tokens are not bit for bit its own",
 )
 
 
