@@ -227,9 +227,10 @@ V4_RECOMPUTES_OTHER_BITS = pytest.mark.xfail(
     strict=True,
     reason="a V4 token computed in a prefill launch differs in its last bits from the same "
     "token decoded: the hyper-connections' sums and sigmoids take an order and a vectorised "
-    "or scalar loop by the tensor's shape, and the attention groups a query's keys by where "
-    "they sit among the launch's (the ring's rows, then the chunk's), so a resumed request's "
-    "recomputed tokens are not bit for bit its own",
+    "or scalar loop by the tensor's shape, the attention groups a query's keys by where "
+    "they sit among the launch's (the ring's rows, then the chunk's), and an unpacked "
+    "prefill's head is a one-row product; so a resumed request's recomputed tokens are not "
+    "bit for bit its own",
 )
 
 
