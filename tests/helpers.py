@@ -158,29 +158,34 @@ def interrupt_once_shown(
     return out, err
 
 
-Served = tuple[list[int], list[Any], int]  # tokens, logprobs, cached prompt tokens
-
-
-def served_with_and_without_prefix_caching(
+def check_prefix_hits_match_misses(
     start_pool: StartPool,
     client: Client,
-    prompts: list[list[int]],
-    options: list[dict[str, Any]],
-    max_tokens: int,
+    vocab_size: int,
+    seed: int,
+    cached: int,
     **settings: Any,
-) -> tuple[list[Served], list[Served]]:
-    """The same requests on a pool with prefix caching on, then on one with it off (one
-    pool after the other): the first prompt alone, then the rest at once. Returns (hits,
-    misses), each request's tokens, logprobs and cached prompt tokens in prompt order."""
-    served: dict[bool, list[Served]] = {}
+) -> None:
+    """Six prompts sharing a 300-token system prompt, greedy and seeded sampling in turn,
+    on a pool with prefix caching on, then on one with it off (the first prompt alone, then
+    the rest at once): the misses cache nothing, every hit after the first caches `cached`
+    tokens, and each request's 10 tokens and logprobs are the same bit for bit."""
+    rng = random.Random(seed)
+    system = random_prompt(rng, 300, vocab_size)
+    prompts = [system + random_prompt(rng, rng.randint(4, 40), vocab_size) for _ in range(6)]
+    options: list[dict[str, Any]] = [
+        {"temperature": 0.9, "seed": seed + i} if i % 2 else {"temperature": 0.0}
+        for i in range(len(prompts))
+    ]
+    served: dict[bool, list[tuple[list[int], list[Any], int]]] = {}
     for caching in (True, False):
         pool = start_pool(prefix_caching=caching, **settings)
-        results: list[Served] = []
+        results = []
         for batch in ([0], list(range(1, len(prompts)))):
             ids = [
                 client.submit(
                     prompt_token_ids=prompts[i],
-                    max_tokens=max_tokens,
+                    max_tokens=10,
                     ignore_eos=True,
                     logprobs=2,
                     **options[i],
@@ -196,4 +201,10 @@ def served_with_and_without_prefix_caching(
         served[caching] = results
         pool.supervised = False
         pool.processes.stop(timeout_s=30)
-    return served[True], served[False]
+    hits, misses = served[True], served[False]
+    assert [n for _, _, n in misses] == [0] * len(prompts)
+    assert hits[0][2] == 0 and all(n == cached for _, _, n in hits[1:]), hits
+    for (tokens, logprobs, _), (want_tokens, want_logprobs, _) in zip(hits, misses, strict=True):
+        assert len(tokens) == len(logprobs) == 10
+        assert tokens == want_tokens
+        assert logprobs == want_logprobs

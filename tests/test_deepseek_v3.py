@@ -23,9 +23,9 @@ from schemas.keys import Keys
 from tests.conftest import StartPool
 from tests.helpers import (
     TIE_TOLERANCE,
+    check_prefix_hits_match_misses,
     check_stream,
     random_prompt,
-    served_with_and_without_prefix_caching,
     wait_until,
 )
 from tests.reference import (
@@ -321,19 +321,12 @@ def test_expert_parallel_prefix_hits_give_the_tokens_and_logprobs_of_misses(
     after the other): the hits skip the shared blocks and get the misses' tokens and
     logprobs bit for bit, greedy and seeded sampling alike."""
     path = checkpoints["q_lora"]
-    rng = random.Random(15)
-    system = random_prompt(rng, 300, make.VOCAB_SIZE)
-    prompts = [system + random_prompt(rng, rng.randint(4, 40), make.VOCAB_SIZE) for _ in range(6)]
-    options = [
-        {"temperature": 0.9, "seed": 70 + i} if i % 2 else {"temperature": 0.0}
-        for i in range(len(prompts))
-    ]
-    hits, misses = served_with_and_without_prefix_caching(
+    check_prefix_hits_match_misses(
         start_pool,
         client,
-        prompts,
-        options,
-        10,
+        make.VOCAB_SIZE,
+        seed=70,
+        cached=256,
         model=str(path),
         ranks=2,
         expert_parallel=True,
@@ -341,9 +334,3 @@ def test_expert_parallel_prefix_hits_give_the_tokens_and_logprobs_of_misses(
         kv_slots_per_rank=8,
         max_model_len=MAX_MODEL_LEN,
     )
-    assert [cached for _, _, cached in misses] == [0] * len(prompts)
-    assert hits[0][2] == 0 and all(cached == 256 for _, _, cached in hits[1:]), hits
-    for (tokens, logprobs, _), (want_tokens, want_logprobs, _) in zip(hits, misses):
-        assert len(tokens) == len(logprobs) == 10
-        assert tokens == want_tokens
-        assert logprobs == want_logprobs

@@ -37,9 +37,9 @@ from schemas.keys import Keys
 from tests.conftest import StartPool
 from tests.helpers import (
     TIE_TOLERANCE,
+    check_prefix_hits_match_misses,
     check_stream,
     random_prompt,
-    served_with_and_without_prefix_caching,
     wait_until,
 )
 from tests.reference import (
@@ -265,41 +265,26 @@ def test_expert_parallel_prefix_hits_with_mtp_give_the_tokens_and_logprobs_of_mi
     """Two expert-parallel ranks with MTP and a cache of blocks, the same requests with
     prefix caching on and off (one pool after the other): the hits restore the rings from
     the mark where their shared blocks end and get the misses' tokens and logprobs bit for
-    bit, greedy and seeded sampling alike."""
+    bit, greedy and seeded sampling alike. With MTP the last cached position is computed
+    again, and V4's unpacked prefill resumes on a chunk's boundary: the first block's end."""
     path = checkpoints["small"]
     probe = load_model(path, "float32", torch.device("cpu"), MAX_MODEL_LEN, mtp=True).model
     state = probe.new_state(1, 128, 128, 1)
-    memory = 48 * 128 * state.bytes_per_token + 8 * state.fixed_bytes
-    rng = random.Random(27)
-    system = random_prompt(rng, 300, make.VOCAB_SIZE)
-    prompts = [system + random_prompt(rng, rng.randint(4, 40), make.VOCAB_SIZE) for _ in range(6)]
-    options = [
-        {"temperature": 0.9, "seed": 80 + i} if i % 2 else {"temperature": 0.0}
-        for i in range(len(prompts))
-    ]
-    hits, misses = served_with_and_without_prefix_caching(
+    check_prefix_hits_match_misses(
         start_pool,
         client,
-        prompts,
-        options,
-        10,
+        make.VOCAB_SIZE,
+        seed=80,
+        cached=128,
         model=str(path),
         ranks=2,
         expert_parallel=True,
         mtp=True,
         decode_batch=4,
         kv_slots_per_rank=8,
-        kv_cache_memory=memory,
+        kv_cache_memory=48 * 128 * state.bytes_per_token + 8 * state.fixed_bytes,
         max_model_len=MAX_MODEL_LEN,
     )
-    assert [cached for _, _, cached in misses] == [0] * len(prompts)
-    # with MTP the last cached position is computed again, and V4's unpacked prefill
-    # resumes on a chunk's boundary: the first block's end
-    assert hits[0][2] == 0 and all(cached == 128 for _, _, cached in hits[1:]), hits
-    for (tokens, logprobs, _), (want_tokens, want_logprobs, _) in zip(hits, misses):
-        assert len(tokens) == len(logprobs) == 10
-        assert tokens == want_tokens
-        assert logprobs == want_logprobs
 
 
 def test_a_rejected_draft_at_a_window_boundary_leaves_nothing_a_later_launch_reads(
