@@ -48,11 +48,14 @@ def _fits(state: PoolState, seq: Sequence, rank: int) -> bool:
     return pool.num_free - pool.reusable(shared) - fresh >= state.watermark(rank)
 
 
-def _prompt_blocks(state: PoolState, seq: Sequence, pool: BlockPool) -> tuple[int, list[int], int]:
+def _prompt_blocks(
+    state: PoolState, seq: Sequence, pool: BlockPool, hits: list[int] | None = None
+) -> tuple[int, list[int], int]:
     """A prompt's cached tokens on a rank, the blocks it would share there (wholly
     before its first computed position) and how many it takes fresh (a copy of the
-    block it starts computing in, if cached, among them)."""
-    hits = _hits(state, seq, pool)
+    block it starts computing in, if cached, among them); `hits`: its `_hits` there, if
+    already found."""
+    hits = _hits(state, seq, pool) if hits is None else hits
     cached = _cached_tokens(state, seq, len(hits))
     shared = hits[: cached // state.config.block_size]
     return cached, shared, state.blocks_needed(seq, seq.num_prompt_tokens) - len(shared)
@@ -164,7 +167,7 @@ def _place_in_blocks(state: PoolState, seq: Sequence, ranks: list[int]) -> None:
         rank = _pick_rank(state, fresh_ranks or ranks, by_blocks=True)
     pool = state.pools[rank]
     hits = _hits(state, seq, pool)  # before `take` hands any of them out again
-    cached, shared, fresh = _prompt_blocks(state, seq, pool)
+    cached, shared, fresh = _prompt_blocks(state, seq, pool, hits)
     size = config.block_size
     # a mark's copy is restored before any launch, as a cached block is copied
     seq.restore_mark = pool.use_mark(hits[-(-cached // size) - 1]) if cached else -1
