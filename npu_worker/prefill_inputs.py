@@ -26,7 +26,8 @@ class PrefillLayout:
     device: torch.device
 
     def single(self, slot: int, token_ids: list[int], start: int) -> LaunchInputs:
-        """One request's chunk at its slot: logits of its last token."""
+        """One request's chunk at its slot: logits of its last token (first of `segments`
+        head rows, as a packed launch's, so its bits are a decode row's)."""
         size = self.chunk
         if not 0 < len(token_ids) <= size or start % size:
             raise ValueError(f"bad prefill chunk: {len(token_ids)} tokens at start {start}")
@@ -36,7 +37,7 @@ class PrefillLayout:
             input_ids=self._tensor([token_ids + [0] * padding]),
             positions=self._tensor([positions]),
             slot_ids=self._tensor([slot]),
-            logit_index=self._tensor([[len(token_ids) - 1]]),
+            logit_index=self._tensor([[len(token_ids) - 1] * self.segments]),
             span=start + size,
             window_start=slot if self.reads_in_place else None,
         )

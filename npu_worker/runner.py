@@ -187,7 +187,7 @@ class LaunchRunner:
             input_ids=self._tensor([[0] * self.prefill_chunk]),
             positions=self._tensor([[scratch] * self.prefill_chunk]),
             slot_ids=self._tensor([0]),
-            logit_index=self._tensor([[0]]),
+            logit_index=self._tensor([[0] * self.prefill_segments]),
             span=span or self.prefill_chunk,
             window_start=0 if self.backend.reads_in_place else None,
         )

@@ -13,7 +13,7 @@ import torch
 from npu_worker.models.launch import LaunchInputs
 from npu_worker.mtp import accept_drafts
 from npu_worker.runner import LaunchRunner
-from npu_worker.sampler import sampling_rows
+from npu_worker.sampler import sample, sampling_rows
 from npu_worker.weights.loader import LoadedModel, load_model
 from npu_worker.weights.presets import resolve_model_dir
 from producer.client import Client
@@ -66,6 +66,32 @@ def test_sampled_acceptance_is_certain_at_p_one_and_impossible_at_p_zero() -> No
     decided = accept_drafts(logits, torch.tensor([2, 2]), rows)
     assert decided.accepted.tolist() == [True, False]
     assert decided.first[0] == 2 and decided.first[1] in (1, 3)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("which", ["likely", "unlikely"])
+def test_a_sampled_row_commits_its_own_draw_whatever_the_draft(which: str) -> None:
+    """Over 4,000 seeds, each row commits at the draft's place the token its seeded draw
+    picks without a draft (so a seeded request's tokens do not depend on its drafts), and
+    accepts the draft exactly when it is that token: about p(draft) of the time."""
+    n = 4000
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(1, 2, 6, generator=generator).expand(n, -1, -1).contiguous()
+    probs = torch.softmax(logits[0, 0], dim=-1)
+    draft = int(probs.argmax()) if which == "likely" else int(probs.argmin())
+    rows = sampling_rows(
+        [SamplingParams(temperature=1.0, seed=s) for s in range(n)],
+        list(range(n)),
+        [5] * n,
+        torch.device("cpu"),
+    )
+    decided = accept_drafts(logits, torch.full((n,), draft), rows)
+    own = sample(logits[:, 0], rows)
+    assert torch.equal(decided.first, own)
+    assert torch.equal(decided.accepted, own == draft)
+    p = float(probs[draft])
+    rate = float(decided.accepted.double().mean())
+    assert abs(rate - p) < 4 * math.sqrt(p * (1 - p) / n), (rate, p)
 
 
 def committed(runner: LaunchRunner, slot: int) -> tuple[int, int, int]:

@@ -5,10 +5,52 @@ forms; a backend's kit may supply faster layers with the same contract (models/k
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from npu_worker.models.launch import KVCache, LaunchInputs
+
+WHOLE_VECTORS = 64  # elements: a multiple of every CPU loop's step (two AVX-512 vectors)
+PIECE = 16384  # elements one call takes: a multiple of WHOLE_VECTORS, under torch's grain
+
+
+def elementwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """`fn` (an elementwise exp, sigmoid, softplus, ...) of `x`, each element's bits a
+    function of its value alone. Torch's CPU loops take whole vectors, then the rest one by
+    one, and vector and scalar exponentials round differently; a tensor's tail, and where a
+    large one is split over threads, follow its shape. So on a CPU the elements go through
+    in pieces of whole vectors, one piece a call (a row then gets the same bits in a decode
+    launch of 4 rows as in a prefill chunk of 128)."""
+    if x.device.type != "cpu":
+        return fn(x)
+    flat = x.reshape(-1)
+    count = flat.numel()
+    padded = F.pad(flat, (0, -count % WHOLE_VECTORS))
+    if padded.numel() <= PIECE:
+        out = fn(padded)
+    else:
+        out = torch.cat([fn(piece) for piece in padded.split(PIECE)])
+    return out[:count].view(x.shape)
+
+
+def ordered_sum(x: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:
+    """The sum over a short `dim` (a few hyper-connection streams, a token's experts), its
+    terms added in order whatever the tensor's shape (torch's reductions may group them by
+    the shape and the threads)."""
+    parts = x.unbind(dim)
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total.unsqueeze(dim) if keepdim else total
+
+
+def ordered_softmax(x: torch.Tensor) -> torch.Tensor:
+    """Softmax over a short last dim, through `elementwise` and `ordered_sum`."""
+    weights = elementwise(torch.exp, x - x.amax(dim=-1, keepdim=True))
+    return weights / ordered_sum(weights, -1, keepdim=True)
 
 
 class RMSNorm(nn.Module):

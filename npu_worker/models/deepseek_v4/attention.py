@@ -25,6 +25,7 @@ from npu_worker.models.deepseek_v4.config import CSA, DeepseekV4Config
 from npu_worker.models.deepseek_v4.state import DeepseekV4State, Entries, Ring
 from npu_worker.models.kit import LayerKit
 from npu_worker.models.launch import LaunchInputs
+from npu_worker.models.layers import elementwise
 
 KEY_BLOCK = 32  # keys a block of the attention's sums holds (see `_attend`)
 
@@ -42,6 +43,27 @@ def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     """RMS normalisation without a weight."""
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+def aligned(
+    keys: torch.Tensor, seen: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Window keys [B, K, D] (row b's key j at position positions[b, 0] + j) and which
+    queries see them [B, S, K], laid out so each key sits at its position's place in blocks
+    of `KEY_BLOCK` aligned to multiples of it: index i of row b holds position
+    `base_b + i`, base_b the multiple of KEY_BLOCK at or below its first position. A query's
+    keys then fall in the same blocks, at the same places, whichever launch reads them (a
+    decode row's one position or a prefill chunk's 128), so `_attend` sums them in the same
+    order (the places before and after a row's keys are unseen and add exact zeros)."""
+    batch, count = keys.shape[:2]
+    lead = positions[:, 0] % KEY_BLOCK  # [B]: places before the row's first key
+    length = -(-(count + KEY_BLOCK - 1) // KEY_BLOCK) * KEY_BLOCK
+    index = torch.arange(length, device=keys.device)[None] - lead[:, None]  # [B, L]
+    inside = (index >= 0) & (index < count)
+    index = index.clamp(0, count - 1)
+    placed = keys.gather(1, index[..., None].expand(-1, -1, keys.shape[2]))
+    seen = seen.gather(2, index[:, None].expand(-1, seen.shape[1], -1)) & inside[:, None]
+    return placed, seen
 
 
 class Launch:
@@ -204,11 +226,14 @@ class Attention(nn.Module):
         )
         own = at.positions[:, None, :]
         own_seen = (own <= t) & (own > t - c.sliding_window) & at.real[:, None, :]
-        keys, seen = [held, kv], [held_seen, own_seen]
+        window, window_seen = aligned(
+            torch.cat((held, kv), dim=1), torch.cat((held_seen, own_seen), dim=2), held_positions
+        )
+        keys, seen = [window], [window_seen]
         if self.rate:
             entries, entries_seen = self._compressed(x, q_low, at, state, rope)
-            keys.append(entries)
-            seen.append(entries_seen)
+            keys.append(F.pad(entries, (0, 0, 0, -entries.shape[1] % KEY_BLOCK)))
+            seen.append(F.pad(entries_seen, (0, -entries.shape[1] % KEY_BLOCK)))
         out = self._attend(q, torch.cat(keys, dim=1), torch.cat(seen, dim=2))
         out = rope_pairs(out, cos[:, :, None], -sin[:, :, None])
         ring.write(at.slot_ids, at.positions, kv, at.real)
@@ -265,8 +290,8 @@ class Attention(nn.Module):
         scores = scores.masked_fill(~seen, float("-inf"))  # [B, S, H, C, KB]
         sink = self.attn_sink.float().view(1, 1, heads)
         top = torch.maximum(scores.amax(dim=(3, 4)), sink)  # exact, in any order
-        weights = torch.exp(scores - top[..., None, None])
-        total = weights.sum(dim=4).cumsum(dim=3)[..., -1] + torch.exp(sink - top)
+        weights = elementwise(torch.exp, scores - top[..., None, None])
+        total = weights.sum(dim=4).cumsum(dim=3)[..., -1] + elementwise(torch.exp, sink - top)
         blockwise = torch.matmul(  # [B, C, S*H, D]: each block's weighted values
             weights.permute(0, 3, 1, 2, 4).reshape(batch, blocks, seq * heads, KEY_BLOCK),
             values,

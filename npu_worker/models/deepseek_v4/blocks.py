@@ -21,6 +21,7 @@ from npu_worker.models.deepseek_v4.attention import Attention, Launch, unit_rms
 from npu_worker.models.deepseek_v4.config import SLIDING, DeepseekV4Config
 from npu_worker.models.deepseek_v4.state import DeepseekV4State
 from npu_worker.models.kit import LayerKit
+from npu_worker.models.layers import elementwise, ordered_softmax, ordered_sum
 from npu_worker.models.moe import (
     ExpertBlock,
     ExpertGroup,
@@ -48,15 +49,15 @@ def hyper_mix(
     pre_w, post_w, comb_w = F.linear(flat, fn.float()).split([n, n, n * n], dim=-1)
     pre_b, post_b, comb_b = base.float().split([n, n, n * n])
     scale = scale.float()
-    pre = torch.sigmoid(pre_w * scale[0] + pre_b) + eps
-    post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
+    pre = elementwise(torch.sigmoid, pre_w * scale[0] + pre_b) + eps
+    post = 2 * elementwise(torch.sigmoid, post_w * scale[1] + post_b)
     comb_logits = comb_w.view(*comb_w.shape[:-1], n, n) * scale[2] + comb_b.view(n, n)
-    comb = torch.softmax(comb_logits, dim=-1) + eps
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    comb = ordered_softmax(comb_logits) + eps
+    comb = comb / (ordered_sum(comb, -2, keepdim=True) + eps)
     for _ in range(config.hc_sinkhorn_iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    collapsed = (pre[..., None] * streams).sum(dim=2).to(dtype)
+        comb = comb / (ordered_sum(comb, -1, keepdim=True) + eps)
+        comb = comb / (ordered_sum(comb, -2, keepdim=True) + eps)
+    collapsed = ordered_sum(pre[..., None] * streams, 2).to(dtype)
     return post, comb, collapsed
 
 
@@ -105,18 +106,19 @@ class Router(nn.Module):
         c = self.config
         logits = F.linear(x.float(), self.weight.float())
         if c.scoring_func == "softmax":
-            scores = logits.softmax(dim=-1)
+            scores = elementwise(torch.exp, logits - logits.amax(dim=-1, keepdim=True))
+            scores = scores / scores.sum(dim=-1, keepdim=True)
         elif c.scoring_func == "sigmoid":
-            scores = logits.sigmoid()
+            scores = elementwise(torch.sigmoid, logits)
         else:
-            scores = F.softplus(logits).sqrt()
+            scores = elementwise(F.softplus, logits).sqrt()
         if self.hashed:
             top = self.tid2eid[token_ids].long()
         else:
             ranked = torch.sort(scores + self.bias.float(), dim=-1, descending=True, stable=True)
             top = ranked.indices[:, : c.num_experts_per_tok]
         weights = scores.gather(1, top)
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        weights = weights / (ordered_sum(weights, -1, keepdim=True) + 1e-20)
         return routes(top, weights * c.routed_scaling_factor, valid)
 
 
@@ -204,8 +206,8 @@ def hyper_head(
     once to `dtype`."""
     flat = unit_rms(streams.flatten(2).float(), config.rms_norm_eps)
     mixes = F.linear(flat, fn.float())
-    pre = torch.sigmoid(mixes * scale.float() + base.float()) + config.hc_eps
-    return (pre[..., None] * streams).sum(dim=2).to(dtype)
+    pre = elementwise(torch.sigmoid, mixes * scale.float() + base.float()) + config.hc_eps
+    return ordered_sum(pre[..., None] * streams, 2).to(dtype)
 
 
 class HyperHead(nn.Module):
