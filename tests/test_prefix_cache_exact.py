@@ -225,17 +225,18 @@ def test_llama_hits_holding_shared_blocks_give_the_tokens_and_logprobs_of_misses
     check_exact(tiny_mtp if mtp else tiny, mtp=mtp, blocks=40)
 
 
-@pytest.mark.parametrize("model", ["llama", "llama-mtp", "v4", "v4-mtp"])
+@pytest.mark.parametrize("model", ["llama", "llama-mtp", "v3-mtp", "v4", "v4-mtp"])
 def test_requests_preempted_for_blocks_resume_with_the_tokens_of_lone_runs(
-    tiny: LoadedModel, tiny_mtp: LoadedModel, deepseek_v4: Path, model: str
+    tiny: LoadedModel, tiny_mtp: LoadedModel, deepseek_v3: Path, deepseek_v4: Path, model: str
 ) -> None:
     """Six requests that together outgrow a cache of 14 blocks of 16 tokens (each alone
     fits): the least urgent give their blocks back and resume later, recomputing what is
     not cached; every token and logprob is what slots reserving every position give
-    (DeepSeek-V4's rings start afresh and are computed again)."""
+    (DeepSeek-V4's rings start afresh and are computed again): Llama, DeepSeek-V3 and V4."""
     mtp = model.endswith("mtp")
-    if model.startswith("v4"):
-        loaded = load_model(deepseek_v4, "float32", torch.device("cpu"), MAX_MODEL_LEN, mtp=mtp)
+    if model.startswith("v"):
+        path = deepseek_v4 if model.startswith("v4") else deepseek_v3
+        loaded = load_model(path, "float32", torch.device("cpu"), MAX_MODEL_LEN, mtp=mtp)
     else:
         loaded = tiny_mtp if mtp else tiny
     rng = random.Random(11)
