@@ -9,7 +9,9 @@ prompt starts with the same keys holds the same blocks instead of computing them
 block is shared by every request holding it and never written while shared. A block no
 request holds is free; a keyed free block keeps its entries (and its key) until it is
 handed out again, the least recently freed first, after the free blocks that hold
-nothing.
+nothing: those freed holding nothing, then those never handed out (a count, not a list:
+a cache sized by a share of a host's memory may hold hundreds of thousands of a small
+model's blocks).
 
 Where a model's state is not all in blocks (DeepSeek-V4's rings), its rank keeps `num_marks`
 marks, copies of a slot's other state taken when a prefill segment ends on a block boundary:
@@ -32,22 +34,21 @@ class BlockPool:
     total: int
     num_marks: int = 0
     held: dict[int, int] = field(default_factory=dict)  # block -> requests holding it
-    free: OrderedDict[int, None] = field(default_factory=OrderedDict)
+    free: OrderedDict[int, None] = field(default_factory=OrderedDict)  # freed, in order
+    fresh: int = 0  # blocks [fresh, total) were never handed out (free, holding nothing)
     key_of: dict[int, bytes] = field(default_factory=dict)
     block_of: dict[bytes, int] = field(default_factory=dict)
     marks: OrderedDict[int, int] = field(default_factory=OrderedDict)  # mark -> block or -1
     mark_of: dict[int, int] = field(default_factory=dict)  # block -> its mark
 
     def __post_init__(self) -> None:
-        if not self.free and not self.held:
-            self.free = OrderedDict.fromkeys(range(self.total))
         if not self.marks:
             self.marks = OrderedDict.fromkeys(range(self.num_marks), -1)
 
     @property
     def num_free(self) -> int:
         """Blocks no request holds (those keeping a cached prefix included)."""
-        return len(self.free)
+        return len(self.free) + self.total - self.fresh
 
     @property
     def num_used(self) -> int:
@@ -82,9 +83,9 @@ class BlockPool:
     def take(self, count: int) -> list[int]:
         """`count` free blocks for one request to write, which then holds them: those
         holding nothing first, then the least recently freed (their keys forgotten)."""
-        if count > len(self.free):
-            raise ValueError(f"{count} blocks wanted, {len(self.free)} free")
-        taken = [self.free.popitem(last=False)[0] for _ in range(count)]
+        if count > self.num_free:
+            raise ValueError(f"{count} blocks wanted, {self.num_free} free")
+        taken = [self._next_free() for _ in range(count)]
         for block in taken:
             key = self.key_of.pop(block, None)
             if key is not None:
@@ -95,6 +96,16 @@ class BlockPool:
                 self.marks[mark] = -1
                 self.marks.move_to_end(mark, last=False)
         return taken
+
+    def _next_free(self) -> int:
+        """The free block to hand out next: one freed holding nothing, else one never
+        handed out, else the least recently freed."""
+        if self.free and next(iter(self.free)) not in self.key_of:
+            return self.free.popitem(last=False)[0]
+        if self.fresh < self.total:
+            self.fresh += 1
+            return self.fresh - 1
+        return self.free.popitem(last=False)[0]
 
     def mark_for(self, block: int) -> int:
         """The mark that takes the copy at `block`'s end: its own, or the least recently

@@ -196,6 +196,18 @@ class Worker:
             loaded.checkpoint_bytes / 2**20,
         )
         runner = LaunchRunner(loaded.model, settings.launch_shapes())
+        if runner.kv_blocks:
+            per_block = runner.state.bytes_per_token * settings.block_size
+            log.info(
+                "rank %d: cache of %d blocks of %d tokens (%.1f MiB, %s)",
+                self.rank,
+                runner.kv_blocks,
+                settings.block_size,
+                runner.kv_blocks * per_block / 2**20,
+                f"--kv-cache-memory {settings.kv_cache_memory}"
+                if settings.kv_cache_memory
+                else f"{settings.kv_cache_fraction:g} of the free memory",
+            )
         self.redis.hset(
             self.rank_key,
             mapping={

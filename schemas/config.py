@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
@@ -67,21 +68,22 @@ class Settings(BaseSettings):
     kv_slots_per_rank: int = Field(
         default=16,
         ge=1,
-        description="requests a rank runs at once; without --kv-cache-memory each reserves "
-        "max_model_len tokens of cache",
+        description="requests a rank runs at once (with --kv-cache-fraction 0, each reserves "
+        "max_model_len tokens of cache)",
     )
     kv_cache_memory: ByteSize | None = Field(
         default=None,
         description="cache bytes per rank (e.g. 4GiB), handed out to requests in blocks of "
-        "--block-size tokens as they grow; unset: each slot reserves max_model_len",
+        "--block-size tokens as they grow; unset: --kv-cache-fraction",
     )
-    kv_cache_fraction: float | None = Field(
-        default=None,
-        gt=0.0,
+    kv_cache_fraction: float = Field(
+        default=0.9,
+        ge=0.0,
         le=1.0,
-        description="without --kv-cache-memory: a cache of blocks in this share of the "
-        "device's free memory once the weights are loaded (the CPU's available memory "
-        "split over the pool's ranks)",
+        description="without --kv-cache-memory: the cache of blocks takes this share of the "
+        "device's free memory once the weights are loaded (a CPU's available memory split "
+        "over the pool's ranks, its pages taken as blocks are first used); 0: no blocks, "
+        "each slot reserves max_model_len",
     )
     max_model_len: int = Field(default=1024, ge=2, description="prompt + completion tokens")
     prefill_chunk: int = Field(default=128, ge=1, description="tokens per prefill launch (S)")
@@ -99,10 +101,14 @@ class Settings(BaseSettings):
         default=True,
         description="a prompt that starts with full blocks a slot of its rank holds skips "
         "their prefill (exact: a hit's tokens are a miss's); DeepSeek-V4 only in a cache of "
-        "blocks (--kv-cache-memory or --kv-cache-fraction)",
+        "blocks (not with --kv-cache-fraction 0)",
     )
     block_size: int = Field(
-        default=128, ge=1, le=4096, description="tokens per cache block: what prefixes share"
+        default=128,
+        ge=1,
+        le=4096,
+        description="tokens per cache block: what prefixes share (unset: 128, or what "
+        "divides a smaller --prefill-chunk)",
     )
     decode_stall_steps: int = Field(
         default=1,
@@ -180,8 +186,10 @@ class Settings(BaseSettings):
             raise ValueError(f"dtype float64 is for the CPU only, not device={self.device}")
         if self.tenants is not None:
             load_tenants(self.tenants)  # a bad file stops the command that reads it, saying why
-        paged = self.kv_cache_memory is not None or self.kv_cache_fraction is not None
-        if paged and self.prefill_chunk % self.block_size:
+        if self.blocks and "block_size" not in self.model_fields_set:
+            # the default block follows a smaller prefill chunk (a block never straddles two)
+            self.block_size = math.gcd(self.block_size, self.prefill_chunk)
+        if self.blocks and self.prefill_chunk % self.block_size:
             raise ValueError(
                 f"a cache of blocks needs block_size={self.block_size} to divide "
                 f"prefill_chunk={self.prefill_chunk}"
@@ -213,14 +221,14 @@ class Settings(BaseSettings):
             model=self.model,
             block_size=self.block_size if self.blocks else 0,
             kv_cache_memory=int(self.kv_cache_memory or 0),
-            kv_cache_fraction=0.0 if self.kv_cache_memory else self.kv_cache_fraction or 0.0,
+            kv_cache_fraction=0.0 if self.kv_cache_memory else self.kv_cache_fraction,
             ranks_sharing=self.ranks if self.blocks else 0,
         )
 
     @property
     def blocks(self) -> bool:
-        """Whether ranks keep their cache in blocks (a budget in bytes or in a share)."""
-        return self.kv_cache_memory is not None or self.kv_cache_fraction is not None
+        """Whether ranks keep their cache in blocks (a budget in bytes or a share above 0)."""
+        return self.kv_cache_memory is not None or self.kv_cache_fraction > 0
 
     def service_args(self) -> list[str]:
         """This configuration as command-line flags, for child processes."""

@@ -45,7 +45,9 @@ def load_reference_model(settings: Settings) -> LoadedModel:
 def reference_runner(loaded: LoadedModel, settings: Settings) -> LaunchRunner:
     """Launches of the same shapes as the pool's ranks, for lone-request references, on
     slots that reserve every position (a pool's cache of blocks is computed another way)."""
-    shapes = replace(settings.launch_shapes(), block_size=0, kv_cache_memory=0)
+    shapes = replace(
+        settings.launch_shapes(), block_size=0, kv_cache_memory=0, kv_cache_fraction=0.0
+    )
     return LaunchRunner(loaded.model, shapes)
 
 

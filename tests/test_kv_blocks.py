@@ -20,6 +20,7 @@ from npu_worker.weights.loader import load_model
 from npu_worker.weights.makers import deepseek_v3 as v3
 from npu_worker.weights.makers import deepseek_v4 as v4
 from npu_worker.weights.tiny import ensure_tiny_model
+from schemas.config import Settings
 from schemas.control import PrefillChunk
 from tests.helpers import random_prompt
 from tests.reference import launch_shapes, layer_kits
@@ -158,6 +159,38 @@ def test_a_share_of_free_memory_sizes_the_pool_of_blocks() -> None:
     )
     assert 40 <= runner.kv_blocks <= 90  # 64 blocks give or take what others allocate
     assert runner.state.k[0].shape[0] == runner.kv_blocks + 1
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (/proc/self/statm), in bytes."""
+    return int(Path("/proc/self/statm").read_text().split()[1]) * 4096
+
+
+def test_by_default_a_rank_takes_a_share_of_the_host_whose_pages_come_as_blocks_are_written() -> (
+    None
+):
+    """The settings' default is a cache of blocks in 0.9 of the host's available memory over
+    the pool's ranks. Its buffers are zeros the kernel maps on first use: the rank holds the
+    blocks it writes or reads, not the share. `--kv-cache-fraction 0` keeps slots."""
+    settings = Settings(model="tiny", device="cpu", ranks=2, max_model_len=MAX_LEN)
+    loaded = load_model(ensure_tiny_model(), "float32", torch.device("cpu"), MAX_LEN)
+    per_block = loaded.model.new_state(1, BLOCK, BLOCK, 1).bytes_per_token * settings.block_size
+    before = resident_bytes()
+    share = free_memory(torch.device("cpu")) * 0.9 / 2
+    runner = LaunchRunner(loaded.model, settings.launch_shapes())
+    assert settings.blocks and runner.kv_blocks > 0
+    assert 0.8 * share <= runner.kv_blocks * per_block <= 1.1 * share
+    buffers = [*runner.state.k, *runner.state.v]
+    assert all(b.shape[0] == runner.kv_blocks + 1 for b in buffers)
+    assert not any(b[-1].any() or b[5].any() for b in buffers)  # zeros (reading maps pages)
+    for b in buffers:
+        b[3] = 1.0  # one block written in every layer
+    assert resident_bytes() - before < 0.01 * runner.kv_blocks * per_block
+    assert all(torch.equal(b[3], torch.ones_like(b[3])) and not b[4].any() for b in buffers)
+
+    slots = Settings(model="tiny", device="cpu", max_model_len=MAX_LEN, kv_cache_fraction=0)
+    assert not slots.blocks
+    assert LaunchRunner(loaded.model, slots.launch_shapes()).kv_blocks == 0
 
 
 def test_a_v4_request_holds_its_rings_and_a_block_of_entries_per_block_size_positions(

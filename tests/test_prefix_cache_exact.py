@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from batcher.dispatch import rank_plans
 from batcher.intake import Tracked
@@ -103,6 +104,7 @@ def serve(
         prefix_caching=prefix_caching,
         block_size=block_size,
         kv_cache_memory=memory,
+        kv_cache_fraction=0.9 if blocks else 0.0,
     )
     runner = LaunchRunner(loaded.model, settings.launch_shapes())
     assert runner.kv_blocks == blocks and (runner.prefix_cacheable or not prefix_caching)
@@ -255,10 +257,31 @@ def test_requests_preempted_for_blocks_resume_with_the_tokens_of_lone_runs(
     alone = serve(loaded, prefix_caching=False, mtp=mtp, requests=requests)
     tight = serve(loaded, True, mtp, blocks=14, block_size=16, requests=requests)
     assert tight.preempted >= 2, tight.preempted
+    exact = products_row_count_invariant(loaded.model)
     for name, tokens in alone.tokens.items():
         assert len(tokens) == 40
         assert tight.tokens[name] == tokens, name
-        assert tight.logprobs[name] == alone.logprobs[name], name
+        if exact:
+            assert tight.logprobs[name] == alone.logprobs[name], name
+        else:  # a token decoded then recomputed in a prefill row: equal within rounding
+            for got, want in zip(tight.logprobs[name], alone.logprobs[name], strict=True):
+                assert got["token_id"] == want["token_id"], name
+                assert abs(got["logprob"] - want["logprob"]) < 1e-4, name
+
+
+def products_row_count_invariant(model: torch.nn.Module) -> bool:
+    """Whether this CPU's float32 products give a row the same bits in a decode launch's 4
+    rows as in a prefill launch's 128, at every weight matrix's shape of `model` (MKL's are
+    on the AMD CPUs CI has run on; on some Intel CPUs they are not, and a resumed token's
+    logprobs then agree with its decoded ones within rounding: docs/architecture.md §2)."""
+    generator = torch.Generator().manual_seed(0)
+    shapes = {tuple(p.shape) for p in model.parameters() if p.dim() == 2}
+    for out, width in shapes:
+        weight = torch.randn(out, width, generator=generator)
+        rows = torch.randn(128, width, generator=generator)
+        if not torch.equal(F.linear(rows[:4], weight), F.linear(rows, weight)[:4]):
+            return False
+    return True
 
 
 @pytest.mark.parametrize("model", ["llama", "v4"])

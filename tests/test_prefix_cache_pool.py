@@ -44,7 +44,8 @@ def test_a_shared_prefix_is_served_from_the_cache_with_the_lone_runs_tokens(
     start_pool: StartPool, start_gateway: StartGateway, client: Client
 ) -> None:
     port = free_port_block(1)
-    pool = start_pool(ranks=2, max_model_len=512, metrics_port=port)
+    # slots that reserve every position (the cache of blocks is the tests below)
+    pool = start_pool(ranks=2, max_model_len=512, metrics_port=port, kv_cache_fraction=0)
     loaded = load_reference_model(pool.settings)
     runner = reference_runner(loaded, pool.settings)
     rng = random.Random(5)
@@ -90,7 +91,8 @@ def test_a_rank_killed_holding_cached_blocks_loses_nothing_and_its_new_process_h
     settings = Settings(model="tiny", device="cpu", max_model_len=512)
     loaded = load_reference_model(settings)
     memory = 40 * 128 * loaded.model.new_state(1, 128, 128, 1).bytes_per_token
-    pool = start_pool(ranks=1, max_model_len=512, kv_cache_memory=memory if paged else None)
+    budget = {"kv_cache_memory": memory} if paged else {"kv_cache_fraction": 0}
+    pool = start_pool(ranks=1, max_model_len=512, **budget)
     runner = reference_runner(loaded, pool.settings)
     rng = random.Random(6)
     system = random_prompt(rng, 260, loaded.config.vocab_size)
@@ -120,7 +122,11 @@ def test_two_pools_sharing_one_redis_each_compute_a_prefix_once(
     loaded = load_reference_model(Settings(model="tiny", device="cpu", max_model_len=512))
     memory = 40 * 128 * loaded.model.new_state(1, 128, 128, 1).bytes_per_token
     pools = [
-        start_pool(pool=name, max_model_len=512, kv_cache_memory=memory if paged else None)
+        start_pool(
+            pool=name,
+            max_model_len=512,
+            **({"kv_cache_memory": memory} if paged else {"kv_cache_fraction": 0}),
+        )
         for name in ("left", "right")
     ]
     runner = reference_runner(loaded, pools[0].settings)

@@ -354,7 +354,8 @@ def check_blocks(state: PoolState, plan: StepPlan, before: Before) -> None:
     config = state.config
     for rank, pool in state.pools.items():
         assert not set(pool.held) & set(pool.free)
-        assert len(pool.held) + len(pool.free) == pool.total
+        assert all(block < pool.fresh for block in [*pool.held, *pool.free])
+        assert len(pool.held) + pool.num_free == pool.total
         holding: dict[int, int] = {}
         for seq in state.running.values():
             if seq.rank == rank:

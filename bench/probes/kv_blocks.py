@@ -1,7 +1,7 @@
 """A cache of blocks: the memory goal of bench/RESULTS.md ("A cache of blocks").
 
 The same cache bytes run twice: as `--slots` slots that each reserve `--max-model-len`
-tokens (the pool without `--kv-cache-memory`), then as a pool of blocks of those bytes
+tokens (`--kv-cache-fraction 0`), then as a pool of blocks of those bytes
 (`--kv-cache-memory`, with `--kv-slots-per-rank` raised to the requests' count). Each run
 sends `--requests` requests at once, each `--prompt-len` tokens asking for `--output-len`,
 and reports: the most requests running at once (as `npu-pool status` shows them, polled),
@@ -88,6 +88,7 @@ def run(
         max_num_seqs=len(prompts),
         kv_slots_per_rank=per_rank if memory else args.slots,
         kv_cache_memory=ByteSize(memory) if memory else None,
+        kv_cache_fraction=0.9 if memory else 0.0,
         max_model_len=args.max_model_len,
         pool="blocks" if memory else "slots",
     )

@@ -11,8 +11,8 @@ them. With `--vllm-python PATH` (and `--model DIR`, a directory vLLM reads), eac
 ends with a fresh vLLM OpenAI server serving the same prompts at the same concurrency with
 its prefix caching on (paired with the pool's runs of that round),
 as many model threads as the pool's ranks have, streamed over HTTP (the pool is driven
-through its Redis client). `--kv-cache-memory SIZE` runs the pool's cache as blocks of
-that many bytes a rank (a hit then shares the cached blocks instead of copying them).
+through its Redis client). The pool's cache is blocks in its default share of the free
+memory, or of `--kv-cache-memory SIZE` a rank.
 Not part of CI:
 
     python -m bench.probes.prefix_cache --model smollm2 --json bench/out/prefix_cache.json
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-batch", type=int, default=8, help="the pool's decode rows")
     parser.add_argument("--threads-per-rank", type=int, default=1)
     parser.add_argument(
-        "--kv-cache-memory", default=None, help="the pool's cache in blocks of this size a rank"
+        "--kv-cache-memory", default=None, help="the pool's cache of blocks, bytes a rank"
     )
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--vllm-python", default=None, help="vLLM's Python, to run it too")

@@ -5,6 +5,8 @@ DeepSeek-V4's compressed state), and the model interface the runner and backends
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
@@ -162,13 +164,13 @@ class KVCache:
             self.tables = torch.arange(num_slots, dtype=torch.long)[:, None]
         self.tables = self.tables.to(device)
         self.block_size, self.num_blocks = block_size, num_blocks
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k = [cache_zeros(shape, dtype, device) for _ in range(num_layers)]
         value_dim = key_dim if value_dim is None else value_dim
         if values_in_keys:
             self.v = [k[..., :value_dim] for k in self.k]
         else:
             v_shape = (*shape[:-1], value_dim)
-            self.v = [torch.zeros(v_shape, dtype=dtype, device=device) for _ in range(num_layers)]
+            self.v = [cache_zeros(v_shape, dtype, device) for _ in range(num_layers)]
         self.num_slots = num_slots
         self.max_kv_len = max_kv_len
         self.device = device
@@ -247,6 +249,18 @@ class KVCache:
     def scratch_position(self) -> int:
         """The position padding rows write to."""
         return self.max_kv_len
+
+
+def cache_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed cache buffer. On the CPU it is an anonymous mapping, whose pages the kernel
+    hands out zeroed when they are first written: a cache sized by a share of the host's
+    memory takes only what its blocks have held (as a GPU's would, all of it at once)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    size = math.prod(shape) * dtype.itemsize
+    if size == 0:
+        return torch.zeros(shape, dtype=dtype)
+    return torch.frombuffer(mmap.mmap(-1, size), dtype=dtype).view(shape)
 
 
 def assign_blocks(

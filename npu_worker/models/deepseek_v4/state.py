@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from npu_worker.models.deepseek_v4.config import CSA, DeepseekV4Config, state_elements_per_slot
-from npu_worker.models.launch import assign_blocks
+from npu_worker.models.launch import assign_blocks, cache_zeros
 
 
 class Ring:
@@ -107,7 +107,7 @@ class Entries:
         else:
             self.per_block = block_size // rate
             shape = (num_blocks + 1, self.per_block, dim)
-        self.rows = torch.zeros(shape, dtype=like.dtype, device=like.device)
+        self.rows = cache_zeros(shape, like.dtype, like.device)
         self.scratch = num_blocks
 
     def write(
