@@ -16,6 +16,16 @@ void weigh_values_avx2(const float *p, int64_t p_step, int nq, int n, const char
                        int block, int64_t v_step, int dtype, int vdim, float *acc);
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
+#define HAVE_AMX_ATTENTION 1 /* attention_amx.c */
+int amx_request(void);
+void amx_begin(void);
+void amx_end(void);
+int amx_softmax(const uint16_t *qh, int nq, const int *lim, const char *const *k, int block,
+                int64_t k_step, int dim, float scale, float *p, float *totals, uint32_t *qt,
+                uint16_t *scratch);
+#endif
+
 #define LANES 16
 #define MAX_QUERIES 4 /* queries a pass over a row's values serves (their sums in registers) */
 
@@ -106,13 +116,13 @@ static inline __m512 load16(const char *row, int dtype) {
 }
 #endif
 
-/* acc[j][0..vdim) = sum over t < n of p[j][t] * value t, in order of t, for `nq` (at most
-   MAX_QUERIES) queries in one pass over the values: each value row is read once, and the
+/* acc[j][0..vdim) = sum over t < n of p[j][t] (p[j * p_step + t * t_step]) * value t, in
+   order of t, for `nq` (at most MAX_QUERIES) queries in one pass over the values: each value row is read once, and the
    sums stay in registers (AVX-512: 64 channels a pass). Value t is row t % block of block
    v[t / block] (rows `v_step` elements apart): the cache's blocks, in the request's order */
-static void weigh_values(const float *p, int64_t p_step, int nq, int n, const char *const *v,
-                         int block, int64_t v_step, int dtype, int vdim, float *acc,
-                         float *wide) {
+static void weigh_values(const float *p, int64_t p_step, int64_t t_step, int nq, int n,
+                         const char *const *v, int block, int64_t v_step, int dtype, int vdim,
+                         float *acc, float *wide) {
     size_t elem = dtype == 0 ? 4 : 2;
     int d0 = 0;
 #ifdef __AVX512F__
@@ -134,7 +144,7 @@ static void weigh_values(const float *p, int64_t p_step, int nq, int n, const ch
                                _mm512_castsi512_ps(_mm512_and_si512(w1, high))};
                 for (int j = 0; j < MAX_QUERIES; j++) {
                     if (j >= nq) break;
-                    __m512 w = _mm512_set1_ps(p[j * p_step + t]);
+                    __m512 w = _mm512_set1_ps(p[j * p_step + t * t_step]);
                     for (int c = 0; c < 4; c++) a[j][c] = _mm512_fmadd_ps(w, x[c], a[j][c]);
                 }
             }
@@ -165,7 +175,7 @@ static void weigh_values(const float *p, int64_t p_step, int nq, int n, const ch
             for (int c = 0; c < 4; c++) x[c] = load16(row + 16 * c * elem, dtype);
             for (int j = 0; j < MAX_QUERIES; j++) {
                 if (j >= nq) break;
-                __m512 w = _mm512_set1_ps(p[j * p_step + t]);
+                __m512 w = _mm512_set1_ps(p[j * p_step + t * t_step]);
                 for (int c = 0; c < 4; c++) a[j][c] = _mm512_fmadd_ps(w, x[c], a[j][c]);
             }
         }
@@ -179,7 +189,8 @@ static void weigh_values(const float *p, int64_t p_step, int nq, int n, const ch
         const float *value =
             widen(v[t / block] + (size_t)(t % block) * v_step * elem, dtype, vdim, wide);
         for (int j = 0; j < nq; j++)
-            for (int d = d0; d < vdim; d++) acc[j * vdim + d] += p[j * p_step + t] * value[d];
+            for (int d = d0; d < vdim; d++)
+                acc[j * vdim + d] += p[j * p_step + t * t_step] * value[d];
     }
 }
 
@@ -316,6 +327,32 @@ static void narrow_row(const float *src, uint16_t *dst, int n) {
     for (; d < n; d++) dst[d] = narrow(src[d]);
 }
 
+/* floats of a task's scores: [queries, longest] (AMX: [longest + 16, 16], a tile's rows
+   past the last key included) */
+static inline size_t score_floats(int queries, int longest) {
+    size_t rows = (size_t)queries * (longest > 0 ? longest : 1);
+    size_t tiles = ((size_t)(longest > 0 ? longest : 0) + 16) * 16;
+    return rows > tiles ? rows : tiles;
+}
+
+/* each query's sums over its total, in the cache's dtype, into its place in `out` */
+static void write_rows(float *acc, const float *total, int seq, int group, int vdim, int dtype,
+                       char *out, int64_t out_seq_step, int64_t out_head_step) {
+    for (int s = 0; s < seq; s++)
+        for (int g = 0; g < group; g++) {
+            int i = s * group + g;
+            size_t at = (size_t)(s * out_seq_step + g * out_head_step);
+            float inv = total[i] > 0.0f ? 1.0f / total[i] : 0.0f;
+            float *sums = acc + (size_t)i * vdim;
+            if (dtype == 0)
+                for (int d = 0; d < vdim; d++) ((float *)out)[at + d] = sums[d] * inv;
+            else {
+                for (int d = 0; d < vdim; d++) sums[d] *= inv;
+                narrow_row(sums, (uint16_t *)out + at, vdim);
+            }
+        }
+}
+
 /* one (row, KV head): its `queries` query vectors [queries, dim] (S positions x the heads
    of its group; `q` widened to float32, `qh` as stored when that is bfloat16), position
    s's queries seeing keys 0..limit[s]-1; key (value) t is row t % block of k[t / block]
@@ -326,15 +363,36 @@ static void attend_row(const float *q, const uint16_t *qh, int queries, const in
                        int seq, int group, const char *const *k, const char *const *v,
                        int block, int64_t k_step, int64_t v_step, int dtype, int dim, int vdim,
                        float scale, char *out, int64_t out_seq_step, int64_t out_head_step,
-                       float *work) {
+                       float *work, int amx) {
     int longest = 0;
     for (int s = 0; s < seq; s++) if (limit[s] > longest) longest = (int)limit[s];
     size_t elem = dtype == 0 ? 4 : 2;
     float *wide = work, *scores = work + dim + vdim;
-    float *acc = scores + (size_t)queries * (longest > 0 ? longest : 1);
+    float *acc = scores + score_floats(queries, longest);
     float *total = acc + (size_t)queries * vdim;
     int t = 0;
     (void)qh; /* read only where the CPU multiplies bfloat16 pairs */
+    (void)amx;
+#ifdef HAVE_AMX_ATTENTION
+    if (amx && dtype == 1 && dim % 32 == 0 && dim <= 192) {
+        /* 16 queries at a time: their numerators key by key (p[t * 16 + j]), then their
+           values' sums, MAX_QUERIES a pass */
+        uint32_t *qt = (uint32_t *)(total + queries);
+        uint16_t *scratch = (uint16_t *)(qt + 6 * 256);
+        for (int i = 0; i < queries; i += 16) {
+            int nq = queries - i < 16 ? queries - i : 16, lim[16];
+            for (int j = 0; j < nq; j++) lim[j] = (int)limit[(i + j) / group];
+            int most = amx_softmax(qh + (size_t)i * dim, nq, lim, k, block, k_step, dim, scale,
+                                   scores, total + i, qt, scratch);
+            for (int j = 0; j < nq; j += MAX_QUERIES)
+                weigh_values(scores + j, 1, 16, nq - j < MAX_QUERIES ? nq - j : MAX_QUERIES,
+                             most, v, block, v_step, dtype, vdim, acc + (size_t)(i + j) * vdim,
+                             wide + dim);
+        }
+        write_rows(acc, total, seq, group, vdim, dtype, out, out_seq_step, out_head_step);
+        return;
+    }
+#endif
 #ifdef __AVX512F__
 #ifdef __AVX512BF16__
     int blocked = dim == 64;
@@ -395,22 +453,10 @@ static void attend_row(const float *q, const uint16_t *qh, int queries, const in
 #endif
     for (int i = 0; i < queries; i += MAX_QUERIES) {
         int nq = queries - i < MAX_QUERIES ? queries - i : MAX_QUERIES;
-        weigh_values(scores + (size_t)i * longest, longest, nq, longest, v, block, v_step,
+        weigh_values(scores + (size_t)i * longest, longest, 1, nq, longest, v, block, v_step,
                      dtype, vdim, acc + (size_t)i * vdim, wide + dim);
     }
-    for (int s = 0; s < seq; s++)
-        for (int g = 0; g < group; g++) {
-            int i = s * group + g;
-            size_t at = (size_t)(s * out_seq_step + g * out_head_step);
-            float inv = total[i] > 0.0f ? 1.0f / total[i] : 0.0f;
-            float *sums = acc + (size_t)i * vdim;
-            if (dtype == 0)
-                for (int d = 0; d < vdim; d++) ((float *)out)[at + d] = sums[d] * inv;
-            else {
-                for (int d = 0; d < vdim; d++) sums[d] *= inv;
-                narrow_row(sums, (uint16_t *)out + at, vdim);
-            }
-        }
+    write_rows(acc, total, seq, group, vdim, dtype, out, out_seq_step, out_head_step);
 }
 
 /* q [B, S, H, D] and out [B, S, H, Dv], contiguous, in the cache's dtype; k, v: one layer's
@@ -424,48 +470,79 @@ int decode_attention(const void *q, const void *k, const void *v, const int64_t 
                      int seq, int heads, int kv_heads, int dim, int vdim, int64_t k_slot,
                      int64_t k_head, int64_t k_pos, int64_t v_slot, int64_t v_head,
                      int64_t v_pos, int span, int dtype, float scale, int threads) {
-    int group = heads / kv_heads, queries = seq * group, failed = 0;
+    int group = heads / kv_heads, failed = 0;
     int blocks = span > 0 ? (span + block - 1) / block : 1; /* a row's blocks it reads */
-    /* a task: one row and KV head's positions s0..s0+per (all of them in decode); a prefill
-       row's positions split so each thread has about eight tasks (B1S128: one row, a few
-       KV heads), at least 16 positions each. A query's scores and sums are its own, so how
-       the positions are split changes no bit. Tasks go to whichever thread is free next:
-       a launch's rows differ in length (a prefill launch's padding, all at its end, reads
-       nothing), and on a busy CPU one thread may be held up */
-    int rows = batch * kv_heads, parts = 1;
-    if (seq > 1 && threads > 1) {
-        parts = (8 * threads + rows - 1) / rows;
-        int most = (seq + 15) / 16;
-        parts = parts < most ? parts : most;
-    }
-    int per = (seq + parts - 1) / parts;
-    parts = (seq + per - 1) / per;
     if (blocks > width) return 2;
+    /* a task: one run of positions of one row and KV head. In decode a row's positions
+       (S1, or S2 with MTP) are one run. A prefill launch passes each token as a row of its
+       own (S1): consecutive rows that read the same blocks (one request's tokens) are one
+       run of up to 16 queries, so they share their passes over the keys. A prefill row
+       passed whole (S > 4) is split so each thread has about eight tasks, at least 16
+       positions each. A query's scores and sums are its own, so how positions are grouped
+       changes no bit. Tasks go to whichever thread is free next: a launch's rows differ in
+       length (a prefill launch's padding, all at its end, reads nothing), and on a busy CPU
+       one thread may be held up */
+    int *starts = malloc(((size_t)batch * seq + 1) * sizeof(int)), runs = 0, longest_run = 1;
+    if (!starts) return 1;
+    if (seq == 1) {
+        int most = group >= 16 ? 1 : 16 / group;
+        for (int b = 0; b < batch;) {
+            int m = 1;
+            while (m < most && b + m < batch
+                   && !memcmp(tables + (size_t)(b + m) * width, tables + (size_t)b * width,
+                              (size_t)blocks * sizeof(int64_t)))
+                m++;
+            starts[runs++] = b;
+            b += m;
+            longest_run = m > longest_run ? m : longest_run;
+        }
+    } else {
+        int parts = 1, rows = batch * kv_heads;
+        if (threads > 1) {
+            parts = (8 * threads + rows - 1) / rows;
+            int most = (seq + 15) / 16;
+            parts = parts < most ? parts : most;
+        }
+        int per = (seq + parts - 1) / parts;
+        for (int b = 0; b < batch; b++)
+            for (int s0 = 0; s0 < seq; s0 += per) starts[runs++] = b * seq + s0;
+        longest_run = per;
+    }
+    starts[runs] = batch * seq;
+    int amx = 0;
+#ifdef HAVE_AMX_ATTENTION
+    amx = dtype == 1 && dim % 32 == 0 && dim <= 192 && amx_request();
+#endif
     size_t elem = dtype == 0 ? 4 : 2;
-    size_t work_floats = dim + vdim + (size_t)queries * (span > 0 ? span : 1)
-                         + (size_t)queries * (vdim + 1);
+    int queries = longest_run * group; /* a task's most */
+    size_t work_floats = dim + vdim + score_floats(queries, span) + (size_t)queries * (vdim + 1)
+                         + 6 * 256 + 8 * (size_t)dim;
     #pragma omp parallel num_threads(threads) reduction(|:failed)
     {
         float *work = malloc(work_floats * sizeof(float));
         float *qrow = malloc((size_t)queries * dim * sizeof(float));
         uint16_t *qh = malloc((size_t)queries * dim * sizeof(uint16_t));
-        int64_t *limit = malloc((size_t)seq * sizeof(int64_t));
+        int64_t *limit = malloc((size_t)longest_run * sizeof(int64_t));
         const char **kb = malloc((size_t)blocks * 2 * sizeof(char *)), **vb = kb + blocks;
         if (!work || !qrow || !qh || !limit || !kb) failed = 1;
+#ifdef HAVE_AMX_ATTENTION
+        if (amx) amx_begin();
+#endif
         #pragma omp for schedule(dynamic, 1)
-        for (int task = 0; task < batch * kv_heads * parts; task++) {
+        for (int task = 0; task < runs * kv_heads; task++) {
             if (!work || !qrow || !qh || !limit || !kb) continue;
-            int b = task / (kv_heads * parts), h = task / parts % kv_heads;
-            int s0 = task % parts * per, n = seq - s0 < per ? seq - s0 : per;
+            int r = task / kv_heads, h = task % kv_heads;
+            int first = starts[r], n = starts[r + 1] - first; /* positions first.. of [B*S] */
+            int b = first / seq;
             for (int s = 0; s < n; s++) {
-                int64_t position = positions[(size_t)b * seq + s0 + s];
+                int64_t position = positions[first + s];
                 limit[s] = position < span ? position + 1 : 0;
             }
             for (int s = 0; s < n; s++)
                 for (int g = 0; g < group; g++) {
                     size_t i = (size_t)s * group + g;
                     const char *src = (const char *)q
-                        + (((size_t)b * seq + s0 + s) * heads + h * group + g) * dim * elem;
+                        + (((size_t)first + s) * heads + h * group + g) * dim * elem;
                     if (dtype == 0) {
                         memcpy(qrow + i * dim, src, sizeof(float) * dim);
                     } else {
@@ -473,21 +550,25 @@ int decode_attention(const void *q, const void *k, const void *v, const int64_t 
                         widen(src, dtype, dim, qrow + i * dim);
                     }
                 }
-            for (int j = 0; j < blocks; j++) { /* where the row's blocks of this head lie */
+            for (int j = 0; j < blocks; j++) { /* where the run's blocks of this head lie */
                 int64_t at = tables[(size_t)b * width + j];
                 kb[j] = (const char *)k + (size_t)(at * k_slot + h * k_head) * elem;
                 vb[j] = (const char *)v + (size_t)(at * v_slot + h * v_head) * elem;
             }
-            char *o = (char *)out + (((size_t)b * seq + s0) * heads + h * group) * vdim * elem;
+            char *o = (char *)out + ((size_t)first * heads + h * group) * vdim * elem;
             attend_row(qrow, qh, n * group, limit, n, group, kb, vb, block, k_pos, v_pos, dtype,
-                       dim, vdim, scale, o, (int64_t)heads * vdim, vdim, work);
+                       dim, vdim, scale, o, (int64_t)heads * vdim, vdim, work, amx);
         }
+#ifdef HAVE_AMX_ATTENTION
+        if (amx) amx_end();
+#endif
         free(kb);
         free(work);
         free(qrow);
         free(qh);
         free(limit);
     }
+    free(starts);
     return failed;
 }
 

@@ -50,11 +50,13 @@ log = logging.getLogger(__name__)
 
 # shipped as package data, built into one library
 SOURCE_FILES = [
-    Path(__file__).with_name(name) for name in ("kernels.c", "attention_avx2.c", "matmul.c")
+    Path(__file__).with_name(name)
+    for name in ("kernels.c", "attention_avx2.c", "attention_amx.c", "matmul.c")
 ]
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+NO_AMX = ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]  # below AMX: its tiles unused
 
 
 class CpuKernels:
@@ -361,7 +363,9 @@ def compile_flags() -> list[str]:
     """The compiler's flags for the instruction set the kernels are built for."""
     isa = forced_isa()
     if isa == "avx2":
-        return [*FLAGS, "-mno-avx512f"]
+        return [*FLAGS, "-mno-avx512f", *NO_AMX]
+    if isa == "avx512":
+        return [*FLAGS, *NO_AMX]
     if isa == "portable" and platform.machine() in ("x86_64", "AMD64"):
         return [f if f != "-march=native" else "-march=x86-64" for f in FLAGS]
     return FLAGS
