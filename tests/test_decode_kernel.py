@@ -150,6 +150,58 @@ def test_a_prefill_rows_positions_are_bit_identical_however_many_threads_split_t
     assert torch.allclose(got[:, :70], want[:, :70].to(dtype).float(), atol=tolerance)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim,block", [(64, 32), (64, 40), (128, 16), (16, 24)])
+def test_a_requests_tokens_passed_as_rows_have_the_bits_each_has_alone(
+    kernel: CpuKernels, dtype: torch.dtype, dim: int, block: int
+) -> None:
+    """A prefill launch passes each token as a row; consecutive rows reading the same blocks
+    share their passes over the keys (on AMX, one tile product scores 16 queries), yet each
+    token's output is the one it gets alone, as a decode row, and agrees with masked
+    attention over its blocks (block sizes that are not a multiple of 16 included)."""
+    heads, kv_heads, blocks = 9, 3, 12
+    generator = torch.Generator().manual_seed(dim + block)
+    k = torch.randn(blocks, kv_heads, block, dim, generator=generator).to(dtype)
+    v = torch.randn(blocks, kv_heads, block, dim, generator=generator).to(dtype)
+    mine, other = torch.randperm(blocks, generator=generator), torch.arange(blocks)
+    tokens, first = 23, 3 * block + 5  # positions first.. of one request
+    span = blocks * block
+    # rows: one of another request, the 23 tokens, two more of the other request
+    tables = torch.stack([other] + [mine] * tokens + [other] * 2)
+    positions = torch.tensor([7] + list(range(first, first + tokens)) + [90, 91])[:, None]
+    q = torch.randn(len(tables), 1, heads, dim, generator=generator).to(dtype)
+    slots = torch.zeros(len(tables), dtype=torch.long)
+    together = kernel(q, k, v, slots, positions, span, dim**-0.5, tables)
+    for row in range(len(tables)):
+        alone = kernel(
+            q[row : row + 1],
+            k,
+            v,
+            slots[:1],
+            positions[row : row + 1],
+            span,
+            dim**-0.5,
+            tables[row : row + 1],
+        )
+        assert torch.equal(alone[0], together[row]), row
+
+    # the same through masked attention over each row's blocks laid end to end
+    def laid(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        return cache[table].transpose(0, 1).reshape(1, kv_heads, span, -1)
+
+    for row in (0, 1, tokens, tokens + 2):
+        want = masked_reference(
+            q[row : row + 1].float(),
+            laid(k, tables[row]).float(),
+            laid(v, tables[row]).float(),
+            torch.tensor([0]),
+            positions[row : row + 1],
+            span,
+        )
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+        assert torch.allclose(together[row].float(), want[0].to(dtype).float(), atol=tolerance)
+
+
 SETTINGS = Settings(
     model="tiny", device="cpu", max_model_len=512, kv_slots_per_rank=8, decode_batch=4
 )

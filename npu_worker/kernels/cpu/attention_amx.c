@@ -4,7 +4,6 @@
    key's and its query's own dot product, summed pair by pair in channel order, so a query's
    scores do not depend on which queries or keys share its tiles. Decode and prefill rows
    both come here, so a token's bits are the same whichever launch computes it. */
-#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -48,23 +47,31 @@ void amx_begin(void) { _tile_loadconfig(&TILES); }
 
 void amx_end(void) { _tile_release(); }
 
-/* e^x for x <= 0, lane by lane as kernels.c's `exp_nonpositive` computes one */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 shift = _mm512_set1_ps(12582912.0f);
-    __m512 k = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), shift),
-                             shift);
-    __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(k, _mm512_set1_ps(0.693145752f)));
-    r = _mm512_sub_ps(r, _mm512_mul_ps(k, _mm512_set1_ps(1.42860677e-6f)));
-    __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(0.00138888892f), _mm512_set1_ps(0.00833333377f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.0416666679f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.166666672f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    __m512i bits = _mm512_slli_epi32(
-        _mm512_add_epi32(_mm512_cvttps_epi32(k), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+/* 16 rows of 16 floats (a[i] row i) transposed in place: a[i] lane j <- a[j] lane i. Within
+   128-bit lanes first (pairs, then pairs of pairs: b[4g + c] lane k holds column 4k + c of
+   rows 4g..4g+3), then the 128-bit lanes across each four of those */
+static inline void transpose16(__m512 *a) {
+    __m512 b[16];
+    for (int i = 0; i < 16; i += 2) {
+        __m512 lo = _mm512_unpacklo_ps(a[i], a[i + 1]), hi = _mm512_unpackhi_ps(a[i], a[i + 1]);
+        a[i] = lo, a[i + 1] = hi;
+    }
+    for (int i = 0; i < 16; i += 4)
+        for (int h = 0; h < 2; h++) {
+            __m512d x = _mm512_castps_pd(a[i + h]), y = _mm512_castps_pd(a[i + 2 + h]);
+            b[i + 2 * h] = _mm512_castpd_ps(_mm512_unpacklo_pd(x, y));
+            b[i + 2 * h + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(x, y));
+        }
+    for (int c = 0; c < 4; c++) {
+        __m512 u0 = _mm512_shuffle_f32x4(b[c], b[4 + c], 0x44);
+        __m512 u1 = _mm512_shuffle_f32x4(b[c], b[4 + c], 0xEE);
+        __m512 u2 = _mm512_shuffle_f32x4(b[8 + c], b[12 + c], 0x44);
+        __m512 u3 = _mm512_shuffle_f32x4(b[8 + c], b[12 + c], 0xEE);
+        a[c] = _mm512_shuffle_f32x4(u0, u2, 0x88);
+        a[4 + c] = _mm512_shuffle_f32x4(u0, u2, 0xDD);
+        a[8 + c] = _mm512_shuffle_f32x4(u1, u3, 0x88);
+        a[12 + c] = _mm512_shuffle_f32x4(u1, u3, 0xDD);
+    }
 }
 
 /* the queries' channels c*32.. (qt + c * 256) as a tile's right operand: row r holds
@@ -92,21 +99,36 @@ static inline void add_chunk(int chunk) {
     }
 }
 
-/* Softmax numerators of `nq` (at most 16) bfloat16 queries qh [nq, dim] (dim a multiple of
-   32, at most 192) against their keys: query j sees keys 0..lim[j]-1, key t row t % block of
-   k[t / block] (rows `k_step` elements apart, bfloat16). Writes p[t * 16 + j] for t below
-   the largest lim (zero where t >= lim[j]) and totals[j], their sum (in order of t, four
-   running sums by t % 4, then (0 + 1) + (2 + 3)); returns that largest lim. Scores are
-   dot products times `scale`, less the query's largest. Needs `amx_begin` on this thread;
-   qt holds 6 * 256 words, scratch 16 * dim bfloat16s. */
-int amx_softmax(const uint16_t *qh, int nq, const int *lim, const char *const *k, int block,
-                int64_t k_step, int dim, float scale, float *p, float *totals, uint32_t *qt,
-                uint16_t *scratch) {
-    int chunks = dim / CHANNELS, most = 0, limits[16];
-    for (int j = 0; j < 16; j++) {
-        limits[j] = j < nq ? lim[j] : 0;
-        most = limits[j] > most ? limits[j] : most;
-    }
+/* 16 keys of a block: their first row, the rows' stride in bytes, their first position and
+   how many of them are wanted */
+struct keys16 {
+    const char *rows;
+    size_t stride;
+    int at, left;
+};
+
+/* one tile product's scores (16 keys x 16 queries at `turn`) query by query into
+   scores[j * longest + at..], times `scale` */
+static inline void turn_scores(const float *turn, struct keys16 g, int nq, int longest,
+                               __m512 scaled, float *scores) {
+    __m512 x[16];
+    for (int i = 0; i < 16; i++) x[i] = _mm512_loadu_ps(turn + 16 * i);
+    transpose16(x); /* x[j]: query j's scores of these keys */
+    __mmask16 keep = (__mmask16)((1u << g.left) - 1);
+    for (int j = 0; j < nq; j++)
+        _mm512_mask_storeu_ps(scores + (size_t)j * longest + g.at, keep,
+                              _mm512_mul_ps(x[j], scaled));
+}
+
+/* Scores of `nq` (at most 16) bfloat16 queries qh [nq, dim] (dim a multiple of 32, at most
+   192) against keys 0..most-1: scores[j * longest + t] = (query j . key t) * scale, key t
+   row t % block of k[t / block] (bfloat16, rows `k_step` elements apart). Each 16 keys'
+   scores come from one tile product, then turn query by query. Needs `amx_begin` on this
+   thread; qt holds 6 * 256 words, scratch 16 * dim bfloat16s, turn 256 floats. */
+void amx_scores(const uint16_t *qh, int nq, int most, int longest, const char *const *k,
+                int block, int64_t k_step, int dim, float scale, float *scores, uint32_t *qt,
+                uint16_t *scratch, float *turn) {
+    int chunks = dim / CHANNELS;
     for (int c = 0; c < chunks; c++) {
         uint32_t *tile = qt + c * 256;
         for (int r = 0; r < 16; r++)
@@ -118,53 +140,33 @@ int amx_softmax(const uint16_t *qh, int nq, const int *lim, const char *const *k
         MEMORY_FENCE();
         load_queries(c, qt);
     }
+    const __m512 scaled = _mm512_set1_ps(scale);
     size_t row_bytes = (size_t)k_step * 2;
     for (int t0 = 0; t0 < most; t0 += block) { /* a block of the cache: its keys */
         const char *keys = k[t0 / block];
         int wanted = most - t0 < block ? most - t0 : block;
         for (int a = 0; a < wanted; a += KEYS) {
-            const char *rows = keys + (size_t)a * row_bytes;
-            size_t stride = row_bytes;
+            struct keys16 g = {keys + (size_t)a * row_bytes, row_bytes, t0 + a,
+                               wanted - a < KEYS ? wanted - a : KEYS};
             if (block - a < KEYS) { /* the block ends inside these 16 rows: its last ones */
                 int have = block - a;
                 for (int i = 0; i < KEYS; i++) {
-                    if (i < have) memcpy(scratch + (size_t)i * dim, rows + i * row_bytes, dim * 2);
-                    else memset(scratch + (size_t)i * dim, 0, dim * 2);
+                    uint16_t *row = scratch + (size_t)i * dim;
+                    if (i < have) memcpy(row, g.rows + i * row_bytes, dim * 2);
+                    else memset(row, 0, dim * 2);
                 }
-                rows = (const char *)scratch, stride = (size_t)dim * 2;
+                g.rows = (const char *)scratch, g.stride = (size_t)dim * 2;
                 MEMORY_FENCE();
             }
             _tile_zero(0);
             for (int c = 0; c < chunks; c++) {
-                _tile_loadd(1, rows + c * CHANNELS * 2, stride);
+                _tile_loadd(1, g.rows + c * CHANNELS * 2, g.stride);
                 add_chunk(c);
             }
-            _tile_stored(0, p + (size_t)(t0 + a) * 16, 64);
+            _tile_stored(0, turn, 64);
+            MEMORY_FENCE();
+            turn_scores(turn, g, nq, longest, scaled, scores);
         }
     }
-    MEMORY_FENCE();
-    const __m512i limit = _mm512_loadu_si512(limits);
-    const __m512 scaled = _mm512_set1_ps(scale);
-    __m512 top = _mm512_set1_ps(-INFINITY);
-    for (int t = 0; t < most; t++) {
-        __mmask16 seen = _mm512_cmpgt_epi32_mask(limit, _mm512_set1_epi32(t));
-        __m512 x = _mm512_mul_ps(_mm512_loadu_ps(p + (size_t)t * 16), scaled);
-        _mm512_storeu_ps(p + (size_t)t * 16, x);
-        top = _mm512_mask_max_ps(top, seen, top, x);
-    }
-    __m512 sums[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                      _mm512_setzero_ps()};
-    for (int t = 0; t < most; t++) {
-        __mmask16 seen = _mm512_cmpgt_epi32_mask(limit, _mm512_set1_epi32(t));
-        __m512 e = _mm512_maskz_mov_ps(
-            seen, exp16(_mm512_sub_ps(_mm512_loadu_ps(p + (size_t)t * 16), top)));
-        _mm512_storeu_ps(p + (size_t)t * 16, e);
-        sums[t & 3] = _mm512_add_ps(sums[t & 3], e);
-    }
-    __m512 total = _mm512_add_ps(_mm512_add_ps(sums[0], sums[1]), _mm512_add_ps(sums[2], sums[3]));
-    float all[16];
-    _mm512_storeu_ps(all, total);
-    for (int j = 0; j < nq; j++) totals[j] = all[j];
-    return most;
 }
 #endif

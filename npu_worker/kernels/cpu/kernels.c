@@ -21,9 +21,9 @@ void weigh_values_avx2(const float *p, int64_t p_step, int nq, int n, const char
 int amx_request(void);
 void amx_begin(void);
 void amx_end(void);
-int amx_softmax(const uint16_t *qh, int nq, const int *lim, const char *const *k, int block,
-                int64_t k_step, int dim, float scale, float *p, float *totals, uint32_t *qt,
-                uint16_t *scratch);
+void amx_scores(const uint16_t *qh, int nq, int most, int longest, const char *const *k,
+                int block, int64_t k_step, int dim, float scale, float *scores, uint32_t *qt,
+                uint16_t *scratch, float *turn);
 #endif
 
 #define LANES 16
@@ -116,13 +116,13 @@ static inline __m512 load16(const char *row, int dtype) {
 }
 #endif
 
-/* acc[j][0..vdim) = sum over t < n of p[j][t] (p[j * p_step + t * t_step]) * value t, in
-   order of t, for `nq` (at most MAX_QUERIES) queries in one pass over the values: each value row is read once, and the
+/* acc[j][0..vdim) = sum over t < n of p[j][t] * value t, in order of t, for `nq` (at most
+   MAX_QUERIES) queries in one pass over the values: each value row is read once, and the
    sums stay in registers (AVX-512: 64 channels a pass). Value t is row t % block of block
    v[t / block] (rows `v_step` elements apart): the cache's blocks, in the request's order */
-static void weigh_values(const float *p, int64_t p_step, int64_t t_step, int nq, int n,
-                         const char *const *v, int block, int64_t v_step, int dtype, int vdim,
-                         float *acc, float *wide) {
+static void weigh_values(const float *p, int64_t p_step, int nq, int n, const char *const *v,
+                         int block, int64_t v_step, int dtype, int vdim, float *acc,
+                         float *wide) {
     size_t elem = dtype == 0 ? 4 : 2;
     int d0 = 0;
 #ifdef __AVX512F__
@@ -144,7 +144,7 @@ static void weigh_values(const float *p, int64_t p_step, int64_t t_step, int nq,
                                _mm512_castsi512_ps(_mm512_and_si512(w1, high))};
                 for (int j = 0; j < MAX_QUERIES; j++) {
                     if (j >= nq) break;
-                    __m512 w = _mm512_set1_ps(p[j * p_step + t * t_step]);
+                    __m512 w = _mm512_set1_ps(p[j * p_step + t]);
                     for (int c = 0; c < 4; c++) a[j][c] = _mm512_fmadd_ps(w, x[c], a[j][c]);
                 }
             }
@@ -175,7 +175,7 @@ static void weigh_values(const float *p, int64_t p_step, int64_t t_step, int nq,
             for (int c = 0; c < 4; c++) x[c] = load16(row + 16 * c * elem, dtype);
             for (int j = 0; j < MAX_QUERIES; j++) {
                 if (j >= nq) break;
-                __m512 w = _mm512_set1_ps(p[j * p_step + t * t_step]);
+                __m512 w = _mm512_set1_ps(p[j * p_step + t]);
                 for (int c = 0; c < 4; c++) a[j][c] = _mm512_fmadd_ps(w, x[c], a[j][c]);
             }
         }
@@ -189,8 +189,7 @@ static void weigh_values(const float *p, int64_t p_step, int64_t t_step, int nq,
         const float *value =
             widen(v[t / block] + (size_t)(t % block) * v_step * elem, dtype, vdim, wide);
         for (int j = 0; j < nq; j++)
-            for (int d = d0; d < vdim; d++)
-                acc[j * vdim + d] += p[j * p_step + t * t_step] * value[d];
+            for (int d = d0; d < vdim; d++) acc[j * vdim + d] += p[j * p_step + t] * value[d];
     }
 }
 
@@ -327,32 +326,6 @@ static void narrow_row(const float *src, uint16_t *dst, int n) {
     for (; d < n; d++) dst[d] = narrow(src[d]);
 }
 
-/* floats of a task's scores: [queries, longest] (AMX: [longest + 16, 16], a tile's rows
-   past the last key included) */
-static inline size_t score_floats(int queries, int longest) {
-    size_t rows = (size_t)queries * (longest > 0 ? longest : 1);
-    size_t tiles = ((size_t)(longest > 0 ? longest : 0) + 16) * 16;
-    return rows > tiles ? rows : tiles;
-}
-
-/* each query's sums over its total, in the cache's dtype, into its place in `out` */
-static void write_rows(float *acc, const float *total, int seq, int group, int vdim, int dtype,
-                       char *out, int64_t out_seq_step, int64_t out_head_step) {
-    for (int s = 0; s < seq; s++)
-        for (int g = 0; g < group; g++) {
-            int i = s * group + g;
-            size_t at = (size_t)(s * out_seq_step + g * out_head_step);
-            float inv = total[i] > 0.0f ? 1.0f / total[i] : 0.0f;
-            float *sums = acc + (size_t)i * vdim;
-            if (dtype == 0)
-                for (int d = 0; d < vdim; d++) ((float *)out)[at + d] = sums[d] * inv;
-            else {
-                for (int d = 0; d < vdim; d++) sums[d] *= inv;
-                narrow_row(sums, (uint16_t *)out + at, vdim);
-            }
-        }
-}
-
 /* one (row, KV head): its `queries` query vectors [queries, dim] (S positions x the heads
    of its group; `q` widened to float32, `qh` as stored when that is bfloat16), position
    s's queries seeing keys 0..limit[s]-1; key (value) t is row t % block of k[t / block]
@@ -368,29 +341,24 @@ static void attend_row(const float *q, const uint16_t *qh, int queries, const in
     for (int s = 0; s < seq; s++) if (limit[s] > longest) longest = (int)limit[s];
     size_t elem = dtype == 0 ? 4 : 2;
     float *wide = work, *scores = work + dim + vdim;
-    float *acc = scores + score_floats(queries, longest);
+    float *acc = scores + (size_t)queries * (longest > 0 ? longest : 1);
     float *total = acc + (size_t)queries * vdim;
     int t = 0;
     (void)qh; /* read only where the CPU multiplies bfloat16 pairs */
     (void)amx;
 #ifdef HAVE_AMX_ATTENTION
-    if (amx && dtype == 1 && dim % 32 == 0 && dim <= 192) {
-        /* 16 queries at a time: their numerators key by key (p[t * 16 + j]), then their
-           values' sums, MAX_QUERIES a pass */
+    if (amx && dtype == 1 && dim % 32 == 0 && dim <= 192) { /* 16 queries a tile product */
         uint32_t *qt = (uint32_t *)(total + queries);
         uint16_t *scratch = (uint16_t *)(qt + 6 * 256);
+        float *turn = (float *)(scratch + 16 * dim);
         for (int i = 0; i < queries; i += 16) {
-            int nq = queries - i < 16 ? queries - i : 16, lim[16];
-            for (int j = 0; j < nq; j++) lim[j] = (int)limit[(i + j) / group];
-            int most = amx_softmax(qh + (size_t)i * dim, nq, lim, k, block, k_step, dim, scale,
-                                   scores, total + i, qt, scratch);
-            for (int j = 0; j < nq; j += MAX_QUERIES)
-                weigh_values(scores + j, 1, 16, nq - j < MAX_QUERIES ? nq - j : MAX_QUERIES,
-                             most, v, block, v_step, dtype, vdim, acc + (size_t)(i + j) * vdim,
-                             wide + dim);
+            int nq = queries - i < 16 ? queries - i : 16, most = 0;
+            for (int j = 0; j < nq; j++)
+                most = limit[(i + j) / group] > most ? (int)limit[(i + j) / group] : most;
+            amx_scores(qh + (size_t)i * dim, nq, most, longest, k, block, k_step, dim, scale,
+                       scores + (size_t)i * longest, qt, scratch, turn);
         }
-        write_rows(acc, total, seq, group, vdim, dtype, out, out_seq_step, out_head_step);
-        return;
+        t = longest;
     }
 #endif
 #ifdef __AVX512F__
@@ -399,7 +367,7 @@ static void attend_row(const float *q, const uint16_t *qh, int queries, const in
 #else
     int blocked = dim == 64 && dtype == 0; /* bfloat16 keys take the portable loop below */
 #endif
-    if (blocked) {
+    if (blocked && t == 0) {
         for (int i = 0; i < queries; i += MAX_QUERIES) {
             int nq = queries - i < MAX_QUERIES ? queries - i : MAX_QUERIES, n[MAX_QUERIES];
             for (int t0 = 0; t0 < longest; t0 += block) { /* a block's keys: theirs */
@@ -453,10 +421,22 @@ static void attend_row(const float *q, const uint16_t *qh, int queries, const in
 #endif
     for (int i = 0; i < queries; i += MAX_QUERIES) {
         int nq = queries - i < MAX_QUERIES ? queries - i : MAX_QUERIES;
-        weigh_values(scores + (size_t)i * longest, longest, 1, nq, longest, v, block, v_step,
+        weigh_values(scores + (size_t)i * longest, longest, nq, longest, v, block, v_step,
                      dtype, vdim, acc + (size_t)i * vdim, wide + dim);
     }
-    write_rows(acc, total, seq, group, vdim, dtype, out, out_seq_step, out_head_step);
+    for (int s = 0; s < seq; s++)
+        for (int g = 0; g < group; g++) {
+            int i = s * group + g;
+            size_t at = (size_t)(s * out_seq_step + g * out_head_step);
+            float inv = total[i] > 0.0f ? 1.0f / total[i] : 0.0f;
+            float *sums = acc + (size_t)i * vdim;
+            if (dtype == 0)
+                for (int d = 0; d < vdim; d++) ((float *)out)[at + d] = sums[d] * inv;
+            else {
+                for (int d = 0; d < vdim; d++) sums[d] *= inv;
+                narrow_row(sums, (uint16_t *)out + at, vdim);
+            }
+        }
 }
 
 /* q [B, S, H, D] and out [B, S, H, Dv], contiguous, in the cache's dtype; k, v: one layer's
@@ -515,8 +495,8 @@ int decode_attention(const void *q, const void *k, const void *v, const int64_t 
 #endif
     size_t elem = dtype == 0 ? 4 : 2;
     int queries = longest_run * group; /* a task's most */
-    size_t work_floats = dim + vdim + score_floats(queries, span) + (size_t)queries * (vdim + 1)
-                         + 6 * 256 + 8 * (size_t)dim;
+    size_t work_floats = dim + vdim + (size_t)queries * (span > 0 ? span : 1)
+                         + (size_t)queries * (vdim + 1) + 6 * 256 + 8 * (size_t)dim + 256;
     #pragma omp parallel num_threads(threads) reduction(|:failed)
     {
         float *work = malloc(work_floats * sizeof(float));
