@@ -125,6 +125,34 @@ def attention_bandwidth(
     }
 
 
+def prefill_attention(
+    runner: LaunchRunner, kit: Kit, num_heads: int, context: int, iters: int
+) -> dict[str, Any] | None:
+    """Milliseconds of one layer's attention for one request's last `prefill_chunk` tokens
+    at the end of `context` positions (each token a row, as a prefill launch passes them),
+    through the CPU kernels over a cache of blocks; None without them."""
+    kernel = kit.library if isinstance(kit, CpuKit) else None
+    state = runner.state
+    if kernel is None or not isinstance(state, KVCache) or not state.paged:
+        return None
+    k, v = state.k[0], state.v[0]
+    chunk, span = runner.prefill_chunk, runner.span_for(context)
+    width = -(-span // state.block_size)
+    if not kernel.supports(k) or width > state.num_blocks or context < chunk:
+        return None
+    head_dim = k.shape[-1]
+    q = torch.randn(chunk, 1, num_heads, head_dim).to(k.dtype)
+    tables = torch.arange(width).repeat(chunk, 1)  # one request's blocks, every token
+    positions = torch.arange(context - chunk, context)[:, None]
+    slots = torch.zeros(chunk, dtype=torch.long)
+    ms = _timed(
+        lambda: kernel(q, k, v, slots, positions, span, head_dim**-0.5, tables=tables),
+        k.device,
+        iters,
+    )
+    return {"tokens": chunk, "context": context, "kernel_ms": statistics.median(ms)}
+
+
 def measure(settings: Settings, iters: int) -> dict[str, Any]:
     """Launch latencies and the back-to-back decode ceiling for one configuration."""
     loaded = load_for(settings)
@@ -184,8 +212,14 @@ def measure(settings: Settings, iters: int) -> dict[str, Any]:
         if isinstance(num_heads, int)
         else []
     )
+    prefill = (
+        prefill_attention(runner, loaded.model.kit, num_heads, settings.max_kv_len, iters)
+        if isinstance(num_heads, int)
+        else None
+    )
     return {
         "attention": [row for row in attention if row is not None],
+        "prefill_attention": prefill,
         "model": str(loaded.path.name),
         "device": str(device),
         "backend": runner.backend.name,
@@ -241,6 +275,12 @@ def main(argv: list[str] | None = None) -> int:
             f"decode attention, one layer, {row['rows']} rows at context {row['context']}: "
             f"{row['kernel_gb_per_s']:.1f} GB/s ({row['kernel_ms']:.3f} ms); a plain sum of the "
             f"same bytes {row['sum_gb_per_s']:.1f} GB/s; ratio {row['ratio']:.2f}"
+        )
+    prefill = result["prefill_attention"]
+    if prefill is not None:
+        print(
+            f"prefill attention, one layer, {prefill['tokens']} tokens of one request at the "
+            f"end of context {prefill['context']}: {prefill['kernel_ms']:.3f} ms"
         )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -150,3 +150,7 @@ def test_kernel_benchmark_reports_every_launch_shape(tmp_path: Path) -> None:
         ("decode B4S1", 256),
     }
     assert result["ceiling"]["tokens_per_s"] > 0 and "ceiling:" in done.stdout
+    if result["attention"]:  # the CPU kernels built: their prefill attention timed too
+        prefill = result["prefill_attention"]
+        assert (prefill["tokens"], prefill["context"]) == (128, 256)
+        assert prefill["kernel_ms"] > 0 and "prefill attention, one layer" in done.stdout
