@@ -1,7 +1,8 @@
 /* The CPU kernels of npu-pool (library.py builds this file with the system's C compiler
    and calls it through ctypes): attention over the KV cache that reads each query's own
-   keys once, RoPE with the K/V writes, and RMSNorm. Every sum runs in one fixed order that
-   depends only on its own row, so a row's results do not depend on what shares its launch. */
+   keys once (its scores on AMX tiles where the CPU has them: attention_amx.c), RoPE with
+   the K/V writes, and RMSNorm. Every sum runs in one fixed order that depends only on its
+   own row, so a row's results do not depend on what shares its launch. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -347,7 +348,7 @@ static void attend_row(const float *q, const uint16_t *qh, int queries, const in
     (void)qh; /* read only where the CPU multiplies bfloat16 pairs */
     (void)amx;
 #ifdef HAVE_AMX_ATTENTION
-    if (amx && dtype == 1 && dim % 32 == 0 && dim <= 192) { /* 16 queries a tile product */
+    if (amx) { /* bfloat16 keys of 32-192 channels: 16 queries a tile product */
         uint32_t *qt = (uint32_t *)(total + queries);
         uint16_t *scratch = (uint16_t *)(qt + 6 * 256);
         float *turn = (float *)(scratch + 16 * dim);

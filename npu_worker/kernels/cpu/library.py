@@ -362,13 +362,22 @@ def has_kernel_linear() -> bool:
 def compile_flags() -> list[str]:
     """The compiler's flags for the instruction set the kernels are built for."""
     isa = forced_isa()
+    no_amx = NO_AMX if _native_amx() else []  # (older compilers know no AMX flags)
     if isa == "avx2":
-        return [*FLAGS, "-mno-avx512f", *NO_AMX]
+        return [*FLAGS, "-mno-avx512f", *no_amx]
     if isa == "avx512":
-        return [*FLAGS, *NO_AMX]
+        return [*FLAGS, *no_amx]
     if isa == "portable" and platform.machine() in ("x86_64", "AMD64"):
         return [f if f != "-march=native" else "-march=x86-64" for f in FLAGS]
     return FLAGS
+
+
+def _native_amx() -> bool:
+    """Whether the CPU itself has AMX tiles (which `-march=native` would build for)."""
+    try:
+        return " amx_tile" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
 
 
 def _cpu_flags() -> str:
