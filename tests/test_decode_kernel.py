@@ -202,6 +202,48 @@ def test_a_requests_tokens_passed_as_rows_have_the_bits_each_has_alone(
         assert torch.allclose(together[row].float(), want[0].to(dtype).float(), atol=tolerance)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim,block", [(64, 32), (128, 24)])
+def test_decode_rows_sharing_a_cached_prefix_have_the_bits_each_has_alone(
+    kernel: CpuKernels, dtype: torch.dtype, dim: int, block: int
+) -> None:
+    """Decode rows whose tables begin with the same blocks (a cached system prompt) and go
+    on in blocks of their own: on AMX tiles they share the products over the common blocks,
+    yet each row's output is the one it gets alone, and none reads past its own keys (the
+    blocks after them hold NaN here)."""
+    heads, kv_heads, blocks = 9, 3, 40
+    generator = torch.Generator().manual_seed(dim)
+    k = torch.randn(blocks, kv_heads, block, dim, generator=generator).to(dtype)
+    v = torch.randn(blocks, kv_heads, block, dim, generator=generator).to(dtype)
+    k[-1], v[-1] = float("nan"), float("nan")  # what tables name past a row's keys
+    prefix, width, rows = [0, 1, 2, 3], 8, 9
+    tables, positions = [], []
+    for row in range(rows):
+        at = 4 * block + (row * 7) % (2 * block) if row != 3 else 2 * block + 5
+        own = [4 + 3 * row] + ([5 + 3 * row] if at >= 5 * block else [])  # blocks it holds
+        first = prefix if row != 6 else [30, 31, 32, 33]  # one row of another prompt
+        tables.append((first + own + [blocks - 1] * width)[:width])
+        positions.append(at)
+    table = torch.tensor(tables)
+    position = torch.tensor(positions)[:, None]
+    q = torch.randn(rows, 1, heads, dim, generator=generator).to(dtype)
+    slots, span = torch.zeros(rows, dtype=torch.long), width * block
+    together = kernel(q, k, v, slots, position, span, dim**-0.5, table)
+    assert torch.isfinite(together.float()).all()
+    for row in range(rows):
+        alone = kernel(
+            q[row : row + 1],
+            k,
+            v,
+            slots[:1],
+            position[row : row + 1],
+            span,
+            dim**-0.5,
+            table[row : row + 1],
+        )
+        assert torch.equal(alone[0], together[row]), row
+
+
 SETTINGS = Settings(
     model="tiny", device="cpu", max_model_len=512, kv_slots_per_rank=8, decode_batch=4
 )

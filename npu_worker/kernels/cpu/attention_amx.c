@@ -108,27 +108,65 @@ struct keys16 {
 };
 
 /* one tile product's scores (16 keys x 16 queries at `turn`) query by query into
-   scores[j * longest + at..], times `scale` */
-static inline void turn_scores(const float *turn, struct keys16 g, int nq, int longest,
+   scores[j * longest + at..], times `scale`, for queries j0..j1-1 */
+static inline void turn_scores(const float *turn, struct keys16 g, int j0, int j1, int longest,
                                __m512 scaled, float *scores) {
     __m512 x[16];
     for (int i = 0; i < 16; i++) x[i] = _mm512_loadu_ps(turn + 16 * i);
     transpose16(x); /* x[j]: query j's scores of these keys */
     __mmask16 keep = (__mmask16)((1u << g.left) - 1);
-    for (int j = 0; j < nq; j++)
+    for (int j = j0; j < j1; j++)
         _mm512_mask_storeu_ps(scores + (size_t)j * longest + g.at, keep,
                               _mm512_mul_ps(x[j], scaled));
 }
 
-/* Scores of `nq` (at most 16) bfloat16 queries qh [nq, dim] (dim a multiple of 32, at most
-   192) against keys 0..most-1: scores[j * longest + t] = (query j . key t) * scale, key t
-   row t % block of k[t / block] (bfloat16, rows `k_step` elements apart). Each 16 keys'
-   scores come from one tile product, then turn query by query. Needs `amx_begin` on this
-   thread; qt holds 6 * 256 words, scratch 16 * dim bfloat16s, turn 256 floats. */
-void amx_scores(const uint16_t *qh, int nq, int most, int longest, const char *const *k,
-                int block, int64_t k_step, int dim, float scale, float *scores, uint32_t *qt,
-                uint16_t *scratch, float *turn) {
+/* the scores of queries j0..j1-1 of the tile against `wanted` keys of the block at `keys`
+   (positions t0..), one tile product each 16 */
+static void score_block(const char *keys, int t0, int wanted, int j0, int j1, int longest,
+                        int block, size_t row_bytes, int dim, __m512 scaled, float *scores,
+                        uint16_t *scratch, float *turn) {
     int chunks = dim / CHANNELS;
+    for (int a = 0; a < wanted; a += KEYS) {
+        struct keys16 g = {keys + (size_t)a * row_bytes, row_bytes, t0 + a,
+                           wanted - a < KEYS ? wanted - a : KEYS};
+        if (block - a < KEYS) { /* the block ends inside these 16 rows: its last ones */
+            int have = block - a;
+            for (int i = 0; i < KEYS; i++) {
+                uint16_t *row = scratch + (size_t)i * dim;
+                if (i < have) memcpy(row, g.rows + i * row_bytes, dim * 2);
+                else memset(row, 0, dim * 2);
+            }
+            g.rows = (const char *)scratch, g.stride = (size_t)dim * 2;
+            MEMORY_FENCE();
+        }
+        _tile_zero(0);
+        for (int c = 0; c < chunks; c++) {
+            _tile_loadd(1, g.rows + c * CHANNELS * 2, g.stride);
+            add_chunk(c);
+        }
+        _tile_stored(0, turn, 64);
+        MEMORY_FENCE();
+        turn_scores(turn, g, j0, j1, longest, scaled, scores);
+    }
+}
+
+/* Scores of `nq` (at most 16) bfloat16 queries qh [nq, dim] (dim a multiple of 32, at most
+   192), queries first.. of a task whose positions each have `group` of them: query j's
+   position s = (first + j) / group sees keys 0..limit[s]-1, and scores[j * longest + t] =
+   (query j . key t) * scale for t below the tile's largest limit. Key t is row t % block
+   of k[s * table_step + t / block] (bfloat16, rows `k_step` elements apart): with
+   table_step 0 every position reads one table; else each its own, the first `common`
+   blocks the same for all. A block every query reads is one tile product for all of them;
+   a position's own block, one for its queries. Each 16 keys' scores come from one tile
+   product, then turn query by query. Needs `amx_begin` on this thread; qt holds 6 * 256
+   words, scratch 16 * dim bfloat16s, turn 256 floats. */
+void amx_scores(const uint16_t *qh, int nq, int first, int group, const int64_t *limit,
+                int longest, const char *const *k, int64_t table_step, int common, int block,
+                int64_t k_step, int dim, float scale, float *scores, uint32_t *qt,
+                uint16_t *scratch, float *turn) {
+    int chunks = dim / CHANNELS, most = 0;
+    int s0 = first / group, s1 = (first + nq - 1) / group; /* the tile's positions */
+    for (int s = s0; s <= s1; s++) most = limit[s] > most ? (int)limit[s] : most;
     for (int c = 0; c < chunks; c++) {
         uint32_t *tile = qt + c * 256;
         for (int r = 0; r < 16; r++)
@@ -143,29 +181,19 @@ void amx_scores(const uint16_t *qh, int nq, int most, int longest, const char *c
     const __m512 scaled = _mm512_set1_ps(scale);
     size_t row_bytes = (size_t)k_step * 2;
     for (int t0 = 0; t0 < most; t0 += block) { /* a block of the cache: its keys */
-        const char *keys = k[t0 / block];
-        int wanted = most - t0 < block ? most - t0 : block;
-        for (int a = 0; a < wanted; a += KEYS) {
-            struct keys16 g = {keys + (size_t)a * row_bytes, row_bytes, t0 + a,
-                               wanted - a < KEYS ? wanted - a : KEYS};
-            if (block - a < KEYS) { /* the block ends inside these 16 rows: its last ones */
-                int have = block - a;
-                for (int i = 0; i < KEYS; i++) {
-                    uint16_t *row = scratch + (size_t)i * dim;
-                    if (i < have) memcpy(row, g.rows + i * row_bytes, dim * 2);
-                    else memset(row, 0, dim * 2);
-                }
-                g.rows = (const char *)scratch, g.stride = (size_t)dim * 2;
-                MEMORY_FENCE();
-            }
-            _tile_zero(0);
-            for (int c = 0; c < chunks; c++) {
-                _tile_loadd(1, g.rows + c * CHANNELS * 2, g.stride);
-                add_chunk(c);
-            }
-            _tile_stored(0, turn, 64);
-            MEMORY_FENCE();
-            turn_scores(turn, g, nq, longest, scaled, scores);
+        int b = t0 / block;
+        if (table_step == 0 || b < common) {
+            int wanted = most - t0 < block ? most - t0 : block;
+            score_block(k[b], t0, wanted, 0, nq, longest, block, row_bytes, dim, scaled,
+                        scores, scratch, turn);
+            continue;
+        }
+        for (int s = s0; s <= s1; s++) { /* each position's own block */
+            int wanted = (int)limit[s] - t0 < block ? (int)limit[s] - t0 : block;
+            if (wanted <= 0) continue;
+            int j0 = s * group - first, j1 = (s + 1) * group - first;
+            score_block(k[s * table_step + b], t0, wanted, j0 < 0 ? 0 : j0, j1 < nq ? j1 : nq,
+                        longest, block, row_bytes, dim, scaled, scores, scratch, turn);
         }
     }
 }

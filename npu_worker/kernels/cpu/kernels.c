@@ -22,8 +22,9 @@ void weigh_values_avx2(const float *p, int64_t p_step, int nq, int n, const char
 int amx_request(void);
 void amx_begin(void);
 void amx_end(void);
-void amx_scores(const uint16_t *qh, int nq, int most, int longest, const char *const *k,
-                int block, int64_t k_step, int dim, float scale, float *scores, uint32_t *qt,
+void amx_scores(const uint16_t *qh, int nq, int first, int group, const int64_t *limit,
+                int longest, const char *const *k, int64_t table_step, int common, int block,
+                int64_t k_step, int dim, float scale, float *scores, uint32_t *qt,
                 uint16_t *scratch, float *turn);
 #endif
 
@@ -330,14 +331,16 @@ static void narrow_row(const float *src, uint16_t *dst, int n) {
 /* one (row, KV head): its `queries` query vectors [queries, dim] (S positions x the heads
    of its group; `q` widened to float32, `qh` as stored when that is bfloat16), position
    s's queries seeing keys 0..limit[s]-1; key (value) t is row t % block of k[t / block]
-   (v[t / block]), rows `k_step` (`v_step`) elements apart. Each key's score is its own dot
-   product and each value sum runs in order of t, so where the blocks lie changes no bit.
-   The outputs go to `out` in the cache's dtype */
+   (v[t / block]), rows `k_step` (`v_step`) elements apart. With `table_step` > 0 (on AMX
+   tiles only) position s reads its own table, k[s * table_step + t / block], the first
+   `common` blocks the same for all. Each key's score is its own dot product and each value
+   sum runs in order of t, so where the blocks lie changes no bit. The outputs go to `out`
+   in the cache's dtype */
 static void attend_row(const float *q, const uint16_t *qh, int queries, const int64_t *limit,
                        int seq, int group, const char *const *k, const char *const *v,
-                       int block, int64_t k_step, int64_t v_step, int dtype, int dim, int vdim,
-                       float scale, char *out, int64_t out_seq_step, int64_t out_head_step,
-                       float *work, int amx) {
+                       int64_t table_step, int common, int block, int64_t k_step,
+                       int64_t v_step, int dtype, int dim, int vdim, float scale, char *out,
+                       int64_t out_seq_step, int64_t out_head_step, float *work, int amx) {
     int longest = 0;
     for (int s = 0; s < seq; s++) if (limit[s] > longest) longest = (int)limit[s];
     size_t elem = dtype == 0 ? 4 : 2;
@@ -353,11 +356,10 @@ static void attend_row(const float *q, const uint16_t *qh, int queries, const in
         uint16_t *scratch = (uint16_t *)(qt + 6 * 256);
         float *turn = (float *)(scratch + 16 * dim);
         for (int i = 0; i < queries; i += 16) {
-            int nq = queries - i < 16 ? queries - i : 16, most = 0;
-            for (int j = 0; j < nq; j++)
-                most = limit[(i + j) / group] > most ? (int)limit[(i + j) / group] : most;
-            amx_scores(qh + (size_t)i * dim, nq, most, longest, k, block, k_step, dim, scale,
-                       scores + (size_t)i * longest, qt, scratch, turn);
+            int nq = queries - i < 16 ? queries - i : 16;
+            amx_scores(qh + (size_t)i * dim, nq, i, group, limit, longest, k, table_step,
+                       common, block, k_step, dim, scale, scores + (size_t)i * longest, qt,
+                       scratch, turn);
         }
         t = longest;
     }
@@ -420,11 +422,20 @@ static void attend_row(const float *q, const uint16_t *qh, int queries, const in
                           acc);
     else
 #endif
-    for (int i = 0; i < queries; i += MAX_QUERIES) {
-        int nq = queries - i < MAX_QUERIES ? queries - i : MAX_QUERIES;
-        weigh_values(scores + (size_t)i * longest, longest, nq, longest, v, block, v_step,
-                     dtype, vdim, acc + (size_t)i * vdim, wide + dim);
-    }
+    if (table_step > 0) /* each position's values through its own table, up to its own keys */
+        for (int s = 0; s < seq; s++)
+            for (int i = s * group; i < (s + 1) * group; i += MAX_QUERIES) {
+                int nq = (s + 1) * group - i < MAX_QUERIES ? (s + 1) * group - i : MAX_QUERIES;
+                weigh_values(scores + (size_t)i * longest, longest, nq, (int)limit[s],
+                             v + s * table_step, block, v_step, dtype, vdim,
+                             acc + (size_t)i * vdim, wide + dim);
+            }
+    else
+        for (int i = 0; i < queries; i += MAX_QUERIES) {
+            int nq = queries - i < MAX_QUERIES ? queries - i : MAX_QUERIES;
+            weigh_values(scores + (size_t)i * longest, longest, nq, longest, v, block, v_step,
+                         dtype, vdim, acc + (size_t)i * vdim, wide + dim);
+        }
     for (int s = 0; s < seq; s++)
         for (int g = 0; g < group; g++) {
             int i = s * group + g;
@@ -463,16 +474,29 @@ int decode_attention(const void *q, const void *k, const void *v, const int64_t 
        changes no bit. Tasks go to whichever thread is free next: a launch's rows differ in
        length (a prefill launch's padding, all at its end, reads nothing), and on a busy CPU
        one thread may be held up */
-    int *starts = malloc(((size_t)batch * seq + 1) * sizeof(int)), runs = 0, longest_run = 1;
+    int amx = 0;
+#ifdef HAVE_AMX_ATTENTION
+    amx = dtype == 1 && dim % 32 == 0 && dim <= 192 && amx_request();
+#endif
+    int *starts = malloc(((size_t)batch * seq + 1) * 2 * sizeof(int)), runs = 0;
+    int *commons = starts + (size_t)batch * seq + 1, longest_run = 1, mixed = 0;
     if (!starts) return 1;
     if (seq == 1) {
         int most = group >= 16 ? 1 : 16 / group;
         for (int b = 0; b < batch;) {
-            int m = 1;
-            while (m < most && b + m < batch
-                   && !memcmp(tables + (size_t)(b + m) * width, tables + (size_t)b * width,
-                              (size_t)blocks * sizeof(int64_t)))
+            int m = 1, common = blocks;
+            while (m < most && b + m < batch) {
+                const int64_t *mine = tables + (size_t)(b + m) * width;
+                int same = 0; /* leading blocks this row shares with the run's first */
+                while (same < blocks && mine[same] == tables[(size_t)b * width + same]) same++;
+                /* the same blocks; on AMX tiles, rows that share their first blocks (a
+                   cached prefix) too, each reading its own after them */
+                if (same < blocks && !(amx && same > 0)) break;
+                common = same < common ? same : common;
                 m++;
+            }
+            mixed |= common < blocks;
+            commons[runs] = common;
             starts[runs++] = b;
             b += m;
             longest_run = m > longest_run ? m : longest_run;
@@ -486,14 +510,11 @@ int decode_attention(const void *q, const void *k, const void *v, const int64_t 
         }
         int per = (seq + parts - 1) / parts;
         for (int b = 0; b < batch; b++)
-            for (int s0 = 0; s0 < seq; s0 += per) starts[runs++] = b * seq + s0;
+            for (int s0 = 0; s0 < seq; s0 += per)
+                commons[runs] = blocks, starts[runs++] = b * seq + s0;
         longest_run = per;
     }
     starts[runs] = batch * seq;
-    int amx = 0;
-#ifdef HAVE_AMX_ATTENTION
-    amx = dtype == 1 && dim % 32 == 0 && dim <= 192 && amx_request();
-#endif
     size_t elem = dtype == 0 ? 4 : 2;
     int queries = longest_run * group; /* a task's most */
     size_t work_floats = dim + vdim + (size_t)queries * (span > 0 ? span : 1)
@@ -504,7 +525,8 @@ int decode_attention(const void *q, const void *k, const void *v, const int64_t 
         float *qrow = malloc((size_t)queries * dim * sizeof(float));
         uint16_t *qh = malloc((size_t)queries * dim * sizeof(uint16_t));
         int64_t *limit = malloc((size_t)longest_run * sizeof(int64_t));
-        const char **kb = malloc((size_t)blocks * 2 * sizeof(char *)), **vb = kb + blocks;
+        size_t tables_read = (size_t)blocks * (mixed ? longest_run : 1);
+        const char **kb = malloc(tables_read * 2 * sizeof(char *)), **vb = kb + tables_read;
         if (!work || !qrow || !qh || !limit || !kb) failed = 1;
 #ifdef HAVE_AMX_ATTENTION
         if (amx) amx_begin();
@@ -531,14 +553,19 @@ int decode_attention(const void *q, const void *k, const void *v, const int64_t 
                         widen(src, dtype, dim, qrow + i * dim);
                     }
                 }
-            for (int j = 0; j < blocks; j++) { /* where the run's blocks of this head lie */
-                int64_t at = tables[(size_t)b * width + j];
-                kb[j] = (const char *)k + (size_t)(at * k_slot + h * k_head) * elem;
-                vb[j] = (const char *)v + (size_t)(at * v_slot + h * v_head) * elem;
-            }
+            int common = commons[r], own = common < blocks ? n : 1; /* tables read */
+            for (int s = 0; s < own; s++)
+                for (int j = 0; j < blocks; j++) { /* where the blocks of this head lie */
+                    int64_t at = tables[(size_t)(b + s) * width + j];
+                    size_t kat = (size_t)(at * k_slot + h * k_head);
+                    size_t vat = (size_t)(at * v_slot + h * v_head);
+                    kb[s * blocks + j] = (const char *)k + kat * elem;
+                    vb[s * blocks + j] = (const char *)v + vat * elem;
+                }
             char *o = (char *)out + ((size_t)first * heads + h * group) * vdim * elem;
-            attend_row(qrow, qh, n * group, limit, n, group, kb, vb, block, k_pos, v_pos, dtype,
-                       dim, vdim, scale, o, (int64_t)heads * vdim, vdim, work, amx);
+            attend_row(qrow, qh, n * group, limit, n, group, kb, vb, own > 1 ? blocks : 0,
+                       common, block, k_pos, v_pos, dtype, dim, vdim, scale, o,
+                       (int64_t)heads * vdim, vdim, work, amx);
         }
 #ifdef HAVE_AMX_ATTENTION
         if (amx) amx_end();
