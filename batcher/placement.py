@@ -148,16 +148,17 @@ def place(state: PoolState, seq: Sequence, ranks: list[int]) -> None:
 
 def _place_in_blocks(state: PoolState, seq: Sequence, ranks: list[int]) -> None:
     """`place` in a cache of blocks: the rank whose cached blocks spare the most of the
-    prompt (ties: more free blocks), else the one with the most free blocks of those not
-    computing its blocks already. The request holds the cached blocks before its first
-    computed position, shared; the block that position lies in, if cached, is copied into
-    a fresh one (a shared block is never written); the rest of its prompt's blocks are
-    fresh."""
+    prompt (ties: a larger share of its blocks free), else the one with the largest share
+    free of those not computing its blocks already. The request holds the cached blocks
+    before its first computed position, shared; the block that position lies in, if
+    cached, is copied into a fresh one (a shared block is never written); the rest of its
+    prompt's blocks are fresh."""
     config, prefix = state.config, state.prefix
-    best: tuple[int, int, int] | None = None
+    best: tuple[int, float, int] | None = None
     for rank in ranks:
         cached, _, _ = _prompt_blocks(state, seq, state.pools[rank])
-        key = (cached, state.pools[rank].num_free, -rank)
+        pool = state.pools[rank]
+        key = (cached, pool.num_free / max(pool.total, 1), -rank)
         if cached and (best is None or key > best):
             best = key
     if best is not None:
@@ -226,10 +227,15 @@ def grow(state: PoolState, decoding: dict[int, list[Sequence]], plan: StepPlan) 
 
 
 def _pick_rank(state: PoolState, ranks: list[int], by_blocks: bool = False) -> int:
-    """Of `ranks`, the one with the most free slots (or blocks), ties round-robin."""
+    """Of `ranks`, the one with the most free slots (or the largest share of its blocks
+    free: ranks sized from a share of their host's free memory differ by a few blocks, and
+    the most free blocks would send every request to the largest), ties round-robin."""
 
-    def free(rank: int) -> int:
-        return state.pools[rank].num_free if by_blocks else len(state.free_slots[rank])
+    def free(rank: int) -> float:
+        if not by_blocks:
+            return len(state.free_slots[rank])
+        pool = state.pools[rank]
+        return pool.num_free / max(pool.total, 1)
 
     most = max(free(r) for r in ranks)
     tied = [r for r in ranks if free(r) == most]

@@ -107,11 +107,12 @@ def test_metrics_counters_move_and_match_the_result_streams(start_pool, client: 
     assert batcher["npupool_decode_launches_total"] == sum(
         r["npupool_decode_launches_total"] for r in ranks
     )
-    # (which rank prefills a prompt is the planner's choice: under load one may take all 12)
     assert batcher["npupool_prefill_launches_total"] == sum(
         r["npupool_prefill_launches_total"] for r in ranks
     )
-    assert batcher["npupool_prefill_launches_total"] >= 1
+    # new requests alternate between the ranks, whose caches of blocks (each a share of
+    # the host's free memory when it started) differ by a few blocks
+    assert all(r["npupool_prefill_launches_total"] >= 1 for r in ranks)
     # one queue time and one TTFT per request, one inter-token gap per later token
     assert batcher["npupool_queue_seconds_count"] == batcher["npupool_ttft_seconds_count"] == 12
     assert batcher["npupool_itl_seconds_count"] == tokens - 12

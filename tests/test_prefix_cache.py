@@ -213,6 +213,19 @@ def test_a_burst_sharing_a_prompt_computes_it_once_a_rank_and_the_rest_wait() ->
     assert all(s.num_cached == 3 * BLOCK for s in burst[2:])
 
 
+def test_ranks_of_slightly_different_sizes_take_new_requests_in_turn() -> None:
+    """Ranks sized from a share of their host's free memory differ by a few blocks; new
+    requests still alternate between them (by the share of blocks free, not the count)."""
+    state = make_state(ranks=2, slots=16, paged=True, max_kv_len=256)
+    join_rank(state, 0, 1000)
+    join_rank(state, 1, 990)
+    for i in range(12):
+        queue(state, f"r{i}", [i + 2] * 20, order=i)
+    plan = plan_step(state)
+    ranks = [s.rank for s in plan.admitted]
+    assert len(ranks) == 12 and ranks.count(0) == ranks.count(1) == 6
+
+
 def marked_state(marks: int) -> PoolState:
     """One rank with a cache of 64 blocks and `marks` marks (a model whose state is not all
     in blocks, as DeepSeek-V4's rings are not)."""
