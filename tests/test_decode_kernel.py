@@ -150,6 +150,25 @@ def test_a_prefill_rows_positions_are_bit_identical_however_many_threads_split_t
     assert torch.allclose(got[:, :70], want[:, :70].to(dtype).float(), atol=tolerance)
 
 
+def assert_each_row_as_alone(
+    kernel: CpuKernels,
+    together: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    span: int,
+    tables: torch.Tensor,
+) -> None:
+    """Each row of a launch's output has the bits the row gets in a launch of its own."""
+    slot = torch.zeros(1, dtype=torch.long)
+    scale = q.shape[-1] ** -0.5
+    for row in range(len(tables)):
+        one = slice(row, row + 1)
+        alone = kernel(q[one], k, v, slot, positions[one], span, scale, tables[one])
+        assert torch.equal(alone[0], together[row]), row
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dim,block", [(64, 32), (64, 40), (128, 16), (16, 24)])
 def test_a_requests_tokens_passed_as_rows_have_the_bits_each_has_alone(
@@ -172,18 +191,7 @@ def test_a_requests_tokens_passed_as_rows_have_the_bits_each_has_alone(
     q = torch.randn(len(tables), 1, heads, dim, generator=generator).to(dtype)
     slots = torch.zeros(len(tables), dtype=torch.long)
     together = kernel(q, k, v, slots, positions, span, dim**-0.5, tables)
-    for row in range(len(tables)):
-        alone = kernel(
-            q[row : row + 1],
-            k,
-            v,
-            slots[:1],
-            positions[row : row + 1],
-            span,
-            dim**-0.5,
-            tables[row : row + 1],
-        )
-        assert torch.equal(alone[0], together[row]), row
+    assert_each_row_as_alone(kernel, together, q, k, v, positions, span, tables)
 
     # the same through masked attention over each row's blocks laid end to end
     def laid(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -230,18 +238,7 @@ def test_decode_rows_sharing_a_cached_prefix_have_the_bits_each_has_alone(
     slots, span = torch.zeros(rows, dtype=torch.long), width * block
     together = kernel(q, k, v, slots, position, span, dim**-0.5, table)
     assert torch.isfinite(together.float()).all()
-    for row in range(rows):
-        alone = kernel(
-            q[row : row + 1],
-            k,
-            v,
-            slots[:1],
-            position[row : row + 1],
-            span,
-            dim**-0.5,
-            table[row : row + 1],
-        )
-        assert torch.equal(alone[0], together[row]), row
+    assert_each_row_as_alone(kernel, together, q, k, v, position, span, table)
 
 
 SETTINGS = Settings(
