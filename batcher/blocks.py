@@ -51,6 +51,11 @@ class BlockPool:
         return len(self.free) + self.total - self.fresh
 
     @property
+    def free_share(self) -> float:
+        """The share of its blocks no request holds (ranks of different sizes compare by it)."""
+        return self.num_free / max(self.total, 1)
+
+    @property
     def num_used(self) -> int:
         """Blocks some request holds."""
         return len(self.held)

@@ -157,8 +157,7 @@ def _place_in_blocks(state: PoolState, seq: Sequence, ranks: list[int]) -> None:
     best: tuple[int, float, int] | None = None
     for rank in ranks:
         cached, _, _ = _prompt_blocks(state, seq, state.pools[rank])
-        pool = state.pools[rank]
-        key = (cached, pool.num_free / max(pool.total, 1), -rank)
+        key = (cached, state.pools[rank].free_share, -rank)
         if cached and (best is None or key > best):
             best = key
     if best is not None:
@@ -232,10 +231,7 @@ def _pick_rank(state: PoolState, ranks: list[int], by_blocks: bool = False) -> i
     the most free blocks would send every request to the largest), ties round-robin."""
 
     def free(rank: int) -> float:
-        if not by_blocks:
-            return len(state.free_slots[rank])
-        pool = state.pools[rank]
-        return pool.num_free / max(pool.total, 1)
+        return state.pools[rank].free_share if by_blocks else len(state.free_slots[rank])
 
     most = max(free(r) for r in ranks)
     tied = [r for r in ranks if free(r) == most]
