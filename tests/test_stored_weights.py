@@ -412,7 +412,7 @@ def test_a_model_whose_stored_weights_the_kernels_read_runs_their_products_throu
     library = load_cpu_kernels()
     if library is None or not (library.has_fp8 and library.has_mxfp4 and has_kernel_linear()):
         pytest.skip("the kernels' FP8, MXFP4 and bfloat16 products do not run here")
-    monkeypatch.setattr(cpu_products, "kernel_products_win", lambda _: False)
+    monkeypatch.setattr(cpu_products, "fastest_product", lambda _: "onednn")
     plain = load_model(ensure_tiny_model(), "bfloat16", CPU, MAX_MODEL_LEN, kit=CpuKit(library))
     assert not kernels_read_stored(plain)
     for name in ("v3-fp8", "v4-fp4"):

@@ -10,6 +10,7 @@ depends on nothing but that row. Where a launch's tensors are not what a fast pa
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,7 @@ from npu_worker.kernels.cpu.products import (
     KernelProduct,
     OneDnnProduct,
     Product,
+    TileProduct,
     choose_product,
     gated_fusion_safe,
 )
@@ -401,7 +403,8 @@ class KernelRMSNorm(RMSNorm):
 class CpuKit:
     """The CPU's layers: `library` (None: not built, or turned off) runs the attention and
     norms; `packed_linears` lays bfloat16 weights out once for the product this machine
-    runs best (`kernel_products`: force the kernels' own, or oneDNN's; None: the probe's
+    runs best (`kernel_products`: force the kernels' own multiply-adds, their tiles
+    ("tiles"), or oneDNN's; None: the probe's
     choice, or the kernels' own in a model whose stored weights they read, `prepare`).
     `max_rows` is the most rows a launch passes a layer."""
 
@@ -410,7 +413,7 @@ class CpuKit:
         library: CpuKernels | None,
         packed_linears: bool = True,
         max_rows: int = 128,
-        kernel_products: bool | None = None,
+        kernel_products: bool | Literal["tiles"] | None = None,
     ) -> None:
         self.library = library
         self.packed_linears = packed_linears
@@ -422,11 +425,14 @@ class CpuKit:
 
     @property
     def name(self) -> str:
-        """`+decode-kernel`, `+packed-linears` and `+kernel-products`, as they apply."""
+        """`+decode-kernel`, `+packed-linears` and `+kernel-products` (or `+tile-products`),
+        as they apply."""
         name = "+decode-kernel" if self.library is not None else ""
         if self.product is not None:
             name += "+packed-linears"
-            if isinstance(self.product, KernelProduct):
+            if isinstance(self.product, TileProduct):
+                name += "+tile-products"
+            elif isinstance(self.product, KernelProduct):
                 name += "+kernel-products"
         return name
 

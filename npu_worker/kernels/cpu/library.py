@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 # shipped as package data, built into one library
 SOURCE_FILES = [
     Path(__file__).with_name(name)
-    for name in ("kernels.c", "attention_avx2.c", "attention_amx.c", "matmul.c")
+    for name in ("kernels.c", "attention_avx2.c", "attention_amx.c", "matmul.c", "matmul_amx.c")
 ]
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -93,6 +93,10 @@ class CpuKernels:
         self.product.argtypes += [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
         self.product.argtypes += [ctypes.c_int64, ctypes.c_int]
         self.product.restype = ctypes.c_int
+        self.tile_product = library.linear_bf16_tiles
+        self.tile_product.argtypes = self.product.argtypes
+        self.tile_product.restype = ctypes.c_int
+        self.has_tiles = bool(library.tiles_available())
         self.fp4_product = library.linear_mxfp4
         self.fp4_product.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int64]
         self.fp4_product.argtypes += [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 2
@@ -122,6 +126,15 @@ class CpuKernels:
         (summed in float32, rounded to bfloat16 once): [..., outputs] bfloat16. A row's
         bits depend only on that row (matmul.c)."""
         return self._rows_times(self.product, "linear_bf16", x, outputs, bias, packed.data_ptr())
+
+    def linear_tiles(
+        self, x: torch.Tensor, packed: torch.Tensor, outputs: int, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """`linear` on AMX tiles (matmul_amx.c), inputs a multiple of 32: other bits than
+        `linear`'s, and again a row's depend only on that row."""
+        return self._rows_times(
+            self.tile_product, "linear_bf16_tiles", x, outputs, bias, packed.data_ptr()
+        )
 
     def linear_mxfp4(
         self,

@@ -1,5 +1,5 @@
 """bfloat16 matrix products on the CPU with their weights laid out once: oneDNN's, or the CPU
-kernels' own, whichever a probe finds faster on the machine.
+kernels' own (multiply-adds, or AMX tiles), whichever a probe finds fastest on the machine.
 
 A bfloat16 `F.linear` on the CPU runs through oneDNN, which first reorders the weight into
 its blocked layout, on every call: for a decode launch that is a second pass over every
@@ -10,12 +10,16 @@ SmolLM2's 210 decoder projections at 32 rows, weights streaming from memory: 30 
 23 ms packed (bench/RESULTS.md).
 
 On some CPUs without AMX, oneDNN's bfloat16 products run below what the CPU's float32
-multiply-adds reach (an Intel one: 66-75 GFLOP/s against 110, bench/RESULTS.md). Where the
-CPU kernels are built, a start-up probe times both once per machine (the choice kept beside
-the built library, so every rank and every restart makes the same one) and, where it wins,
-`KernelProduct` calls the kernels' `linear` instead (matmul.c): another layout, other bits
-than oneDNN's, but each row's sums in one fixed order, so a row's bits still depend on
-nothing but the row, in prefill and decode alike.
+multiply-adds reach (an Intel one: 66-75 GFLOP/s against 110, bench/RESULTS.md). On CPUs
+with AMX, the kernels' own tile product beats oneDNN's at every row count a launch passes
+(less work around each call, the weight read once for all the rows), and its bits depend on
+nothing but the row: oneDNN's AMX kernels block their sums by the number of rows. Where the
+CPU kernels are built, a start-up probe times them once per machine (the choice kept beside
+the built library, so every rank and every restart makes the same one) and, where one wins,
+`KernelProduct` calls the kernels' `linear` (matmul.c) or `TileProduct` their `linear_tiles`
+(matmul_amx.c) instead: another layout, other bits than oneDNN's, but each row's sums in
+one fixed order, so a row's bits still depend on nothing but the row, in prefill and decode
+alike.
 
 Only bfloat16 weights are packed (float32 products come from MKL, whose packed form gives
 other bits). Once packed, a layer lets go of its plain weight (layers.py: `PackedRows`),
@@ -29,7 +33,7 @@ import functools
 import os
 import tempfile
 import time
-from typing import Any, Protocol, cast
+from typing import Any, Literal, Protocol, cast
 
 import torch
 
@@ -117,6 +121,23 @@ class KernelProduct:
         return plain.reshape(blocks * 16, pairs * 2)[:outputs, :inputs]
 
 
+class TileProduct(KernelProduct):
+    """The CPU kernels' bfloat16 product on AMX tiles (matmul_amx.c), on the same packed
+    layout: each output's sum pair of inputs by pair in one fixed order, so a row's bits
+    depend on nothing but the row. A weight whose inputs are not a multiple of 32 goes
+    through `KernelProduct`'s multiply-adds instead, which keep the same contract."""
+
+    name = "tiles"
+
+    def __call__(
+        self, x: torch.Tensor, packed: torch.Tensor, outputs: int, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The tiles' product where a tile product takes the inputs whole."""
+        if x.shape[-1] % 32:
+            return self.library.linear(x, packed, outputs, bias)
+        return self.library.linear_tiles(x, packed, outputs, bias)
+
+
 @functools.cache
 def packing_available() -> bool:
     """Whether oneDNN packs bfloat16 linear weights here: this torch build has it and its
@@ -135,13 +156,20 @@ def packing_available() -> bool:
 
 
 def choose_product(
-    library: CpuKernels | None, kernel_products: bool | None = None
-) -> OneDnnProduct | KernelProduct | None:
-    """The product this machine runs: the kernels' where `kernel_products` says so, or where
-    it is None and `kernel_products_win`; else oneDNN's; None where neither is there."""
+    library: CpuKernels | None, kernel_products: bool | Literal["tiles"] | None = None
+) -> Product | None:
+    """The product this machine runs: the kernels' multiply-adds where `kernel_products` is
+    True, their tiles where it is "tiles" (the multiply-adds where the CPU or the kernel
+    gives no tiles), oneDNN's where it is False; where it is None, whichever
+    `fastest_product` found. None where none is there."""
+    choice = "onednn"
     if kernel_products is None:
-        kernel_products = library is not None and kernel_products_win(library)
-    if kernel_products and library is not None and has_kernel_linear():
+        choice = fastest_product(library) if library is not None else "onednn"
+    elif kernel_products:
+        choice = "tiles" if kernel_products == "tiles" else "kernels"
+    if choice != "onednn" and library is not None and has_kernel_linear():
+        if choice == "tiles" and library.has_tiles:
+            return TileProduct(library)
         return KernelProduct(library)
     return OneDnnProduct() if packing_available() else None
 
@@ -182,20 +210,21 @@ PROBE_ROWS = (8, 32, 128)  # decode and prefill launches' rows
 PROBE_ROUNDS = 20  # alternated timings of each product at each row count (~0.1 s in all)
 
 
-def kernel_products_win(library: CpuKernels) -> bool:
-    """Whether the kernels' `linear` beats oneDNN's packed bfloat16 product on this machine
-    (always where oneDNN cannot pack bfloat16; never where the kernels' `linear` cannot
-    run). Timed once per built library and kept beside it: the first process to finish the
-    probe records its answer and every process, now and after restarts, reads that one, so
-    ranks never differ in their bits."""
+def fastest_product(library: CpuKernels) -> str:
+    """Which bfloat16 product runs fastest on this machine: "onednn", "kernels" (the
+    kernels' multiply-adds) or "tiles" (theirs on AMX tiles, where the CPU and the kernel give
+    them); the kernels' where oneDNN cannot pack bfloat16, oneDNN's where the kernels'
+    `linear` cannot run. Timed once per built library and kept beside it: the first process
+    to finish the probe records its answer and every process, now and after restarts, reads
+    that one, so ranks never differ in their bits."""
     if not has_kernel_linear():
-        return False
+        return "onednn"
     if not packing_available():
-        return True
+        return "tiles" if library.has_tiles else "kernels"
     record = library.path.with_suffix(".products")
     if not record.exists():
         with tempfile.NamedTemporaryFile("w", dir=record.parent, delete=False) as draft:
-            draft.write("kernels" if _kernels_faster(library) else "onednn")
+            draft.write(_fastest(library))
         try:
             os.link(draft.name, record)  # fails where another process recorded first
         except FileExistsError:
@@ -205,27 +234,29 @@ def kernel_products_win(library: CpuKernels) -> bool:
         finally:
             if os.path.exists(draft.name):
                 os.unlink(draft.name)
-    return record.read_text() == "kernels"
+    return record.read_text()
 
 
-def _kernels_faster(library: CpuKernels) -> bool:
-    """The kernels' product against oneDNN's at `PROBE_SHAPE`: the two alternated
-    `PROBE_ROUNDS` times at each of `PROBE_ROWS` rows, the best time of each summed. A busy
-    machine (ranks starting together, another program) only adds time, and alternating
-    spreads it over both, so the best of many rounds is what each product can do."""
+def _fastest(library: CpuKernels) -> str:
+    """The products this machine has, timed at `PROBE_SHAPE`: alternated `PROBE_ROUNDS`
+    times at each of `PROBE_ROWS` rows, the best time of each summed. A busy machine (ranks
+    starting together, another program) only adds time, and alternating spreads it over
+    them all, so the best of many rounds is what each product can do."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(PROBE_SHAPE, generator=generator).bfloat16()
-    products: list[Product] = [KernelProduct(library), OneDnnProduct()]
+    products: list[Product] = [OneDnnProduct(), KernelProduct(library)]
+    if library.has_tiles:
+        products.append(TileProduct(library))
     sides = [(product, product.pack(weight)) for product in products]
-    totals = [0.0, 0.0]
+    totals = [0.0] * len(sides)
     with torch.no_grad():
         for rows in PROBE_ROWS:
             x = torch.randn(rows, PROBE_SHAPE[1], generator=generator).bfloat16()
-            best = [float("inf"), float("inf")]
+            best = [float("inf")] * len(sides)
             for _ in range(PROBE_ROUNDS):
                 for side, (product, packed) in enumerate(sides):
                     began = time.perf_counter()
                     product(x, packed, PROBE_SHAPE[0], None)
                     best[side] = min(best[side], time.perf_counter() - began)
             totals = [total + time_s for total, time_s in zip(totals, best, strict=True)]
-    return totals[0] < totals[1]
+    return products[totals.index(min(totals))].name

@@ -1,0 +1,181 @@
+/* bfloat16 linear layers on AMX tiles (library.py builds this file into the kernels; the
+   products.py probe runs it where it beats oneDNN's products and the kernels' multiply-adds).
+   The weight is `pack_linear`'s (matmul.c): block b, pair p holds outputs 16b..16b+15, each
+   with inputs 2p and 2p+1 side by side, which is a tile's right operand as it lies (16
+   pairs of inputs a tile, 64 bytes a pair). One tile product adds 32 inputs of 16 rows
+   against 16 outputs; each of its sums is its row's and its output's own, pair of inputs by
+   pair in order, chunk after chunk of 32 inputs from zero, so a row's bits depend on
+   nothing but the row, whatever the number of rows and whichever rows share its tiles. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+
+#define BLOCK 16 /* outputs a tile's columns, rows a tile's rows */
+#define CHUNK 32 /* inputs a tile product adds */
+#define MEMORY_FENCE() __asm__ volatile("" ::: "memory") /* as in attention_amx.c */
+
+int amx_request(void);
+void amx_begin(void);
+void amx_end(void);
+
+/* float32 to bfloat16, rounding to nearest even, NaN kept quiet (as torch rounds) */
+static inline __m256i narrow16(__m512 x) {
+    __m512i bits = _mm512_castps_si512(x);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
+    __m512i rounded = _mm512_srli_epi32(up, 16);
+    rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q),
+                                    _mm512_set1_epi32(0x7fc0));
+    return _mm512_cvtepi32_epi16(rounded);
+}
+
+/* a tile of sums (16 rows x 16 floats in `sums`) plus the bias, rounded, into rows
+   r0.. (of `rows`) and outputs 16b.. (of `outputs`) of out */
+static inline void store_sums(const float *sums, const float *bias, int b, int outputs,
+                              int r0, int rows, uint16_t *out, int64_t out_stride) {
+    int o = b * BLOCK, left = outputs - o < BLOCK ? outputs - o : BLOCK;
+    __mmask16 mask = (__mmask16)((1u << left) - 1);
+    __m512 add = bias ? _mm512_maskz_loadu_ps(mask, bias + o) : _mm512_setzero_ps();
+    int n = rows - r0 < BLOCK ? rows - r0 : BLOCK;
+    for (int r = 0; r < n; r++) {
+        __m512 sum = _mm512_add_ps(_mm512_loadu_ps(sums + r * BLOCK), add);
+        _mm256_mask_storeu_epi16(out + (int64_t)(r0 + r) * out_stride + o, mask,
+                                 narrow16(sum));
+    }
+}
+
+/* rows r0..r0+16 of x (each `x_bytes` apart) by blocks b, b+1 (two = 2) over every chunk of
+   inputs: tiles 0..3 the sums (row tile i, block j: 2i + j), 4 and 5 the rows, 6 and 7 the
+   blocks. `second` says whether rows r0+16.. exist */
+static inline void tile_pass(const char *x0, const char *x1, size_t x_bytes, const char *w0,
+                             const char *w1, int chunks, int two, int second, float *sums) {
+    MEMORY_FENCE(); /* the last pass's sums read before these overwrite them */
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int c = 0; c < chunks; c++) {
+        size_t at = (size_t)c * CHUNK * 2, wat = (size_t)c * (CHUNK / 2) * 64;
+        _tile_loadd(4, x0 + at, x_bytes);
+        _tile_loadd(6, w0 + wat, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (two) {
+            _tile_loadd(7, w1 + wat, 64);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+        if (second) {
+            _tile_loadd(5, x1 + at, x_bytes);
+            _tile_dpbf16ps(2, 5, 6);
+            if (two) _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, sums, 64);
+    if (two) _tile_stored(1, sums + 256, 64);
+    if (second) {
+        _tile_stored(2, sums + 512, 64);
+        if (two) _tile_stored(3, sums + 768, 64);
+    }
+    MEMORY_FENCE();
+}
+
+/* out [rows, outputs] = x [rows, inputs] times the packed weight (+ bias, float32), as
+   `linear_bf16` takes them; inputs a multiple of 32. Returns 1 where this build or the
+   kernel gives no tiles, 3 where inputs is not a multiple of 32, 2 where memory ran out */
+int linear_bf16_tiles(const uint16_t *x, int rows, int inputs, int64_t x_stride,
+                      const uint16_t *w, int outputs, const float *bias, uint16_t *out,
+                      int64_t out_stride, int threads) {
+    if (!amx_request()) return 1;
+    if (inputs % CHUNK) return 3;
+    int blocks = (outputs + BLOCK - 1) / BLOCK, chunks = inputs / CHUNK;
+    int pairs_of_blocks = (blocks + 1) / 2, full = rows / BLOCK, tail = rows % BLOCK;
+    size_t block_bytes = (size_t)inputs / 2 * 64, x_bytes = (size_t)x_stride * 2;
+    /* the last rows short of a tile, copied where zeros follow them */
+    uint16_t *padded = NULL;
+    if (tail) {
+        padded = calloc((size_t)BLOCK * inputs, sizeof(uint16_t));
+        if (!padded) return 2;
+        for (int r = 0; r < tail; r++)
+            memcpy(padded + (size_t)r * inputs, x + (int64_t)(full * BLOCK + r) * x_stride,
+                   (size_t)inputs * 2);
+    }
+    int row_tiles = full + (tail ? 1 : 0);
+    int failed = 0;
+    #pragma omp parallel num_threads(threads) reduction(|:failed)
+    {
+        float *sums = aligned_alloc(64, 4 * 256 * sizeof(float));
+        if (!sums) failed = 2;
+        else amx_begin();
+        /* outputs outer: each pair of blocks comes from memory once for all the rows */
+        #pragma omp for schedule(static)
+        for (int g = 0; g < pairs_of_blocks; g++) {
+            if (!sums) continue;
+            int b = 2 * g, two = b + 1 < blocks;
+            const char *w0 = (const char *)w + (size_t)b * block_bytes;
+            const char *w1 = w0 + block_bytes;
+            for (int t = 0; t < row_tiles; t += 2) {
+                int second = t + 1 < row_tiles;
+                const char *x0 = t < full ? (const char *)(x + (int64_t)t * BLOCK * x_stride)
+                                          : (const char *)padded;
+                size_t s0 = t < full ? x_bytes : (size_t)inputs * 2;
+                const char *x1 = NULL;
+                size_t s1 = s0;
+                if (second) {
+                    x1 = t + 1 < full ? (const char *)(x + (int64_t)(t + 1) * BLOCK * x_stride)
+                                      : (const char *)padded;
+                    s1 = t + 1 < full ? x_bytes : (size_t)inputs * 2;
+                }
+                if (second && s1 != s0) { /* rows of two strides: one tile of rows a pass */
+                    tile_pass(x0, NULL, s0, w0, w1, chunks, two, 0, sums);
+                    store_sums(sums, bias, b, outputs, t * BLOCK, rows, out, out_stride);
+                    if (two)
+                        store_sums(sums + 256, bias, b + 1, outputs, t * BLOCK, rows, out,
+                                   out_stride);
+                    tile_pass(x1, NULL, s1, w0, w1, chunks, two, 0, sums);
+                    store_sums(sums, bias, b, outputs, (t + 1) * BLOCK, rows, out, out_stride);
+                    if (two)
+                        store_sums(sums + 256, bias, b + 1, outputs, (t + 1) * BLOCK, rows,
+                                   out, out_stride);
+                    continue;
+                }
+                tile_pass(x0, x1, s0, w0, w1, chunks, two, second, sums);
+                store_sums(sums, bias, b, outputs, t * BLOCK, rows, out, out_stride);
+                if (two)
+                    store_sums(sums + 256, bias, b + 1, outputs, t * BLOCK, rows, out,
+                               out_stride);
+                if (second) {
+                    store_sums(sums + 512, bias, b, outputs, (t + 1) * BLOCK, rows, out,
+                               out_stride);
+                    if (two)
+                        store_sums(sums + 768, bias, b + 1, outputs, (t + 1) * BLOCK, rows, out,
+                                   out_stride);
+                }
+            }
+        }
+        if (sums) amx_end();
+        free(sums);
+    }
+    free(padded);
+    return failed;
+}
+
+#else
+int linear_bf16_tiles(const uint16_t *x, int rows, int inputs, int64_t x_stride,
+                      const uint16_t *w, int outputs, const float *bias, uint16_t *out,
+                      int64_t out_stride, int threads) {
+    (void)x; (void)rows; (void)inputs; (void)x_stride; (void)w; (void)outputs; (void)bias;
+    (void)out; (void)out_stride; (void)threads;
+    return 1;
+}
+#endif
+
+/* 1 where this build has the tile product and the kernel lets the process use the tiles */
+int tiles_available(void) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
+    return amx_request();
+#else
+    return 0;
+#endif
+}
