@@ -177,7 +177,8 @@ def test_a_requests_tokens_passed_as_rows_have_the_bits_each_has_alone(
     """A prefill launch passes each token as a row; consecutive rows reading the same blocks
     share their passes over the keys (on AMX, one tile product scores 16 queries), yet each
     token's output is the one it gets alone, as a decode row, and agrees with masked
-    attention over its blocks (block sizes that are not a multiple of 16 included)."""
+    attention over its blocks (block sizes that are not a multiple of 16 included). The
+    queries read in place from a fused projection's output give the same bits."""
     heads, kv_heads, blocks = 9, 3, 12
     generator = torch.Generator().manual_seed(dim + block)
     k = torch.randn(blocks, kv_heads, block, dim, generator=generator).to(dtype)
@@ -192,6 +193,13 @@ def test_a_requests_tokens_passed_as_rows_have_the_bits_each_has_alone(
     slots = torch.zeros(len(tables), dtype=torch.long)
     together = kernel(q, k, v, slots, positions, span, dim**-0.5, tables)
     assert_each_row_as_alone(kernel, together, q, k, v, positions, span, tables)
+    # the queries as a fused projection's output holds them: keys and values after each
+    fused = torch.randn(len(tables), 1, heads + 2 * kv_heads, dim, generator=generator)
+    fused = fused.to(dtype).flatten(2)
+    fused[..., : heads * dim] = q.flatten(2)
+    sliced = fused[..., : heads * dim].view(len(tables), 1, heads, dim)
+    assert not sliced.is_contiguous()
+    assert torch.equal(kernel(sliced, k, v, slots, positions, span, dim**-0.5, tables), together)
 
     # the same through masked attention over each row's blocks laid end to end
     def laid(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from npu_worker.kernels.cpu.library import CpuKernels
+from npu_worker.kernels.cpu.library import CpuKernels, token_stride
 from npu_worker.models.kit import CacheAttention, RotaryAttention
 from npu_worker.models.launch import KVCache, LaunchInputs
 from npu_worker.models.layers import rotate_half, write_cache
@@ -114,13 +114,7 @@ class KernelCacheAttention(CacheAttention):
 def token_major(x: torch.Tensor) -> bool:
     """Whether x [B, S, H, D] is one run of heads and channels per token, tokens a fixed
     stride apart (contiguous, or a slice of one fused projection's output)."""
-    batch, seq, heads, dim = x.shape
-    if x.stride(3) != 1 or x.stride(2) != dim:
-        return False
-    if batch == 1 or seq == 1:  # a dimension of one may have any stride
-        step = x.stride(1) if batch == 1 and seq > 1 else x.stride(0)
-        return batch * seq == 1 or step >= heads * dim
-    return x.stride(1) >= heads * dim and x.stride(0) == seq * x.stride(1)
+    return token_stride(x) is not None
 
 
 def kernel_attention(

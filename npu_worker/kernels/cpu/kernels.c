@@ -451,14 +451,15 @@ static void attend_row(const float *q, const uint16_t *qh, int queries, const in
         }
 }
 
-/* q [B, S, H, D] and out [B, S, H, Dv], contiguous, in the cache's dtype; k, v: one layer's
-   cache of blocks of `block` positions, strides in elements (block, head, position; channels
-   contiguous); tables [B, width]: row b's positions p lie in block tables[b][p / block]
+/* q [B, S, H, D] (heads and channels contiguous, tokens `q_row` elements apart: a slice of
+   a fused projection's output) and out [B, S, H, Dv] (contiguous), in the cache's dtype;
+   k, v: one layer's cache of blocks of `block` positions, strides in elements (block, head,
+   position; channels contiguous); tables [B, width]: row b's positions p lie in block tables[b][p / block]
    (a cache of one block a slot: tables [B, 1], block its positions); positions [B, S]:
    query (b, s) sees its row's keys 0..positions[b, s], none when that is at or past
    `span` (a padding row's scratch position) */
-int decode_attention(const void *q, const void *k, const void *v, const int64_t *tables,
-                     int width, int block, const int64_t *positions, void *out, int batch,
+int decode_attention(const void *q, int64_t q_row, const void *k, const void *v,
+                     const int64_t *tables, int width, int block, const int64_t *positions, void *out, int batch,
                      int seq, int heads, int kv_heads, int dim, int vdim, int64_t k_slot,
                      int64_t k_head, int64_t k_pos, int64_t v_slot, int64_t v_head,
                      int64_t v_pos, int span, int dtype, float scale, int threads) {
@@ -545,7 +546,7 @@ int decode_attention(const void *q, const void *k, const void *v, const int64_t 
                 for (int g = 0; g < group; g++) {
                     size_t i = (size_t)s * group + g;
                     const char *src = (const char *)q
-                        + (((size_t)first + s) * heads + h * group + g) * dim * elem;
+                        + (((size_t)first + s) * q_row + ((size_t)h * group + g) * dim) * elem;
                     if (dtype == 0) {
                         memcpy(qrow + i * dim, src, sizeof(float) * dim);
                     } else {

@@ -66,7 +66,8 @@ class CpuKernels:
     def __init__(self, library: ctypes.CDLL) -> None:
         self.path = Path(library._name)
         self.call = library.decode_attention
-        tables: list[type[Any]] = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 2
+        tables: list[type[Any]] = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3
+        tables += [ctypes.c_int] * 2
         pointers: list[type[Any]] = [ctypes.c_void_p] * 2
         sizes: list[type[Any]] = [ctypes.c_int] * 6 + [ctypes.c_int64] * 6
         tail: list[type[Any]] = [ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int]
@@ -286,13 +287,18 @@ class CpuKernels:
         position p lies in block `tables[b, p // block_size]` (`slot_ids` unused)."""
         batch, seq, heads, dim = q.shape
         kv_heads, value_dim = k_cache.shape[1], v_cache.shape[-1]
-        query = q.to(k_cache.dtype).contiguous()
+        query = q.to(k_cache.dtype)
+        q_row = token_stride(query)
+        if q_row is None:
+            query = query.contiguous()
+            q_row = heads * dim
         if tables is None:  # one block a slot: its whole run of positions
             tables = slot_ids[:, None]
         tables, row_positions = tables.contiguous(), positions.contiguous()  # held over the call
         out = torch.empty(batch, seq, heads, value_dim, dtype=k_cache.dtype)
         failed = self.call(
             query.data_ptr(),
+            q_row,
             k_cache.data_ptr(),
             v_cache.data_ptr(),
             tables.data_ptr(),
@@ -318,6 +324,23 @@ class CpuKernels:
         if failed:
             raise MemoryError("CPU attention could not allocate its work buffers")
         return out.to(q.dtype)
+
+
+def token_stride(x: torch.Tensor) -> int | None:
+    """The elements between consecutive tokens of x [B, S, H, D] where each token's heads
+    and channels are one contiguous run, tokens a fixed stride apart (contiguous, or a
+    slice of one fused projection's output); None where they are not."""
+    batch, seq, heads, dim = x.shape
+    if x.stride(3) != 1 or x.stride(2) != dim:
+        return None
+    if batch * seq == 1:
+        return heads * dim
+    if batch == 1 or seq == 1:  # a dimension of one may have any stride
+        step = x.stride(1) if batch == 1 else x.stride(0)
+        return step if step >= heads * dim else None
+    if x.stride(1) >= heads * dim and x.stride(0) == seq * x.stride(1):
+        return x.stride(1)
+    return None
 
 
 def load_cpu_kernels() -> CpuKernels | None:
