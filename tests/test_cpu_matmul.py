@@ -91,6 +91,29 @@ def test_a_rows_product_is_its_exact_sum_rounded_whatever_the_row_count(
         assert torch.equal(got, every_row[start:]), f"from row {start}"
 
 
+@pytest.mark.parametrize(("inter", "hidden"), [(176, 64), (48, 96), (1536, 576)])
+def test_the_tiles_gated_product_is_silu_times_up_and_keeps_a_rows_bits(
+    kernels: CpuKernels, inter: int, hidden: int
+) -> None:
+    """silu(x gate) * (x up) in one call on the tiles: within one rounding of the unfused
+    form's every element (the activation is the kernels' own, not torch's), and a row's
+    bits at every row count."""
+    product = own_product(kernels, "tiles")
+    assert isinstance(product, TileProduct)
+    generator = torch.Generator().manual_seed(inter)
+    weight = (torch.randn(2 * inter, hidden, generator=generator) * 0.1).bfloat16()
+    packed = product.pack(weight)
+    x = torch.randn(40, hidden, generator=generator).bfloat16()
+    fused = product.gated_pair(x, packed, 2 * inter)
+    assert fused is not None and fused.shape == (40, inter)
+    gate, up = product(x, packed, 2 * inter, None).split([inter, inter], dim=-1)
+    unfused = torch.nn.functional.silu(gate) * up
+    assert ((fused.float() - unfused.float()).abs() <= unfused.float().abs() * 2**-7).all()
+    for rows in range(1, 41):
+        assert torch.equal(product.gated_pair(x[:rows].clone(), packed, 2 * inter), fused[:rows])
+    assert product.gated_pair(x[:, :33].contiguous(), packed, 2 * inter) is None
+
+
 def test_the_product_reads_rows_of_a_strided_input(kernels: CpuKernels) -> None:
     generator = torch.Generator().manual_seed(3)
     weight = torch.randn(48, 64, generator=generator).bfloat16()

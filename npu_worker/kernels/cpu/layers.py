@@ -346,9 +346,10 @@ class PackedProjections(Projections):
 
 
 class PackedGated(Gated):
-    """silu(gate(x)) * up(x): with the kernels' products, gate and up in one product; with
-    oneDNN's, the activation and the product done inside its two packed products, where a
-    probe at start proved that form keeps a row's bits as the plain products do."""
+    """silu(gate(x)) * up(x): with the kernels' products, gate and up in one product (on
+    their tiles, the activation and the product in the same call); with oneDNN's, the
+    activation and the product done inside its two packed products, where a probe at start
+    proved that form keeps a row's bits as the plain products do."""
 
     def __init__(self, gate: nn.Linear, up: nn.Linear, max_rows: int) -> None:
         super().__init__(gate, up)
@@ -376,8 +377,13 @@ class PackedGated(Gated):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.bfloat16:
-            if self.pair.packed is not None:
-                gate, up = self.pair(x)
+            pair = self.pair
+            if pair.packed is not None:
+                if isinstance(pair.product, TileProduct) and pair.bias is None:
+                    fused = pair.product.gated_pair(x, pair.packed, sum(pair.sizes))
+                    if fused is not None:
+                        return fused
+                gate, up = pair(x)
                 return F.silu(gate) * up
             if self.post_ops is not None:
                 product, gate_layer, up_layer = self.post_ops

@@ -98,6 +98,11 @@ class CpuKernels:
         self.tile_product.argtypes = self.product.argtypes
         self.tile_product.restype = ctypes.c_int
         self.has_tiles = bool(library.tiles_available())
+        self.gated_product = library.gated_bf16_tiles
+        self.gated_product.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+        self.gated_product.argtypes += [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+        self.gated_product.argtypes += [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+        self.gated_product.restype = ctypes.c_int
         self.fp4_product = library.linear_mxfp4
         self.fp4_product.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int64]
         self.fp4_product.argtypes += [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 2
@@ -136,6 +141,31 @@ class CpuKernels:
         return self._rows_times(
             self.tile_product, "linear_bf16_tiles", x, outputs, bias, packed.data_ptr()
         )
+
+    def gated_tiles(self, x: torch.Tensor, packed: torch.Tensor, outputs: int) -> torch.Tensor:
+        """silu(x gate) * (x up) on AMX tiles (matmul_amx.c), `packed` gate's and then up's
+        weights laid out as one by `pack_linear` (`outputs` in all, a multiple of 32),
+        inputs a multiple of 32: [..., outputs / 2] bfloat16, each step rounded to bfloat16
+        as the unfused form rounds it. A row's bits depend only on that row."""
+        inputs = x.shape[-1]
+        rows = x.reshape(-1, inputs)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        out = torch.empty(rows.shape[0], outputs // 2, dtype=torch.bfloat16)
+        failed = self.gated_product(
+            rows.data_ptr(),
+            rows.shape[0],
+            inputs,
+            rows.stride(0),
+            packed.data_ptr(),
+            outputs,
+            out.data_ptr(),
+            outputs // 2,
+            torch.get_num_threads(),
+        )
+        if failed:
+            raise RuntimeError(f"gated_bf16_tiles failed ({failed}): not in this build")
+        return out.view(*x.shape[:-1], outputs // 2)
 
     def linear_mxfp4(
         self,

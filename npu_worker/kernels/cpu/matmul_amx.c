@@ -47,6 +47,54 @@ static inline void store_sums(const float *sums, const float *bias, int b, int o
     }
 }
 
+/* e^x for x <= 0, 16 lanes, as kernels.c's `exp_nonpositive` computes each: x = k ln2 + r,
+   e^r by its Taylor polynomial (fused steps), 2^k into the exponent */
+static inline __m512 exp_nonpositive16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 shifter = _mm512_set1_ps(12582912.0f);
+    __m512 k = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                           shifter), shifter);
+    __m512 r = _mm512_sub_ps(_mm512_sub_ps(x, _mm512_mul_ps(k, _mm512_set1_ps(0.693145752f))),
+                             _mm512_mul_ps(k, _mm512_set1_ps(1.42860677e-6f)));
+    __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(0.00138888892f), _mm512_set1_ps(0.00833333377f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.0416666679f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.166666672f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    __m512i bits = _mm512_slli_epi32(
+        _mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+/* bfloat16 bits (in the low halves of 32-bit lanes) widened to float32 */
+static inline __m512 widened16(__m256i half) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+/* silu(gate) * up for a tile of gate sums and one of up sums (16 rows x 16 floats each),
+   each step rounded to bfloat16 as the unfused form rounds it: the products' outputs, the
+   activation (x / (1 + e^-x), e^-|x| from `exp_nonpositive16`), then their product; into
+   rows r0.. (of `rows`) and outputs 16b.. of out */
+static inline void store_gated(const float *gate, const float *up, int b, int outputs, int r0,
+                               int rows, uint16_t *out, int64_t out_stride) {
+    int o = b * BLOCK, left = outputs - o < BLOCK ? outputs - o : BLOCK;
+    __mmask16 mask = (__mmask16)((1u << left) - 1);
+    const __m512 one = _mm512_set1_ps(1.0f);
+    int n = rows - r0 < BLOCK ? rows - r0 : BLOCK;
+    for (int r = 0; r < n; r++) {
+        __m512 g = widened16(narrow16(_mm512_loadu_ps(gate + r * BLOCK)));
+        __m512 u = widened16(narrow16(_mm512_loadu_ps(up + r * BLOCK)));
+        __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+        __m512 sigmoid = _mm512_div_ps(one, _mm512_add_ps(one, e)); /* of |g| */
+        __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+        sigmoid = _mm512_mask_mul_ps(sigmoid, negative, sigmoid, e); /* e / (1 + e) */
+        __m512 act = widened16(narrow16(_mm512_mul_ps(g, sigmoid)));
+        _mm256_mask_storeu_epi16(out + (int64_t)(r0 + r) * out_stride + o, mask,
+                                 narrow16(_mm512_mul_ps(act, u)));
+    }
+}
+
 /* rows r0..r0+16 of x (each `x_bytes` apart) by blocks b, b+1 (two = 2) over every chunk of
    inputs: tiles 0..3 the sums (row tile i, block j: 2i + j), 4 and 5 the rows, 6 and 7 the
    blocks. `second` says whether rows r0+16.. exist */
@@ -161,7 +209,68 @@ int linear_bf16_tiles(const uint16_t *x, int rows, int inputs, int64_t x_stride,
     return failed;
 }
 
+/* out [rows, outputs / 2] = silu(x gate) * (x up), where the packed weight holds gate's
+   `outputs / 2` outputs, then up's (a multiple of 16 each), inputs a multiple of 32: gate's
+   block b and up's block b in one pass, their sums rounded to bfloat16 as `linear_bf16_tiles`
+   rounds them, then the activation and product as `store_gated`. The same returns as
+   `linear_bf16_tiles` */
+int gated_bf16_tiles(const uint16_t *x, int rows, int inputs, int64_t x_stride,
+                     const uint16_t *w, int outputs, uint16_t *out, int64_t out_stride,
+                     int threads) {
+    if (!amx_request()) return 1;
+    if (inputs % CHUNK || outputs % (2 * BLOCK)) return 3;
+    int half = outputs / 2, blocks = half / BLOCK, chunks = inputs / CHUNK;
+    int full = rows / BLOCK, tail = rows % BLOCK, row_tiles = full + (tail ? 1 : 0);
+    size_t block_bytes = (size_t)inputs / 2 * 64, x_bytes = (size_t)x_stride * 2;
+    uint16_t *padded = NULL;
+    if (tail) {
+        padded = calloc((size_t)BLOCK * inputs, sizeof(uint16_t));
+        if (!padded) return 2;
+        for (int r = 0; r < tail; r++)
+            memcpy(padded + (size_t)r * inputs, x + (int64_t)(full * BLOCK + r) * x_stride,
+                   (size_t)inputs * 2);
+    }
+    int failed = 0;
+    #pragma omp parallel num_threads(threads) reduction(|:failed)
+    {
+        float *sums = aligned_alloc(64, 4 * 256 * sizeof(float));
+        if (!sums) failed = 2;
+        else amx_begin();
+        #pragma omp for schedule(static)
+        for (int b = 0; b < blocks; b++) {
+            if (!sums) continue;
+            const char *gate = (const char *)w + (size_t)b * block_bytes;
+            const char *up = (const char *)w + (size_t)(blocks + b) * block_bytes;
+            for (int t = 0; t < row_tiles;) { /* two tiles of rows a pass where they can */
+                const char *x0 = t < full ? (const char *)(x + (int64_t)t * BLOCK * x_stride)
+                                          : (const char *)padded;
+                size_t s0 = t < full ? x_bytes : (size_t)inputs * 2;
+                int second = t + 1 < full; /* whole rows of x after these */
+                const char *x1 = second ? x0 + BLOCK * x_bytes : NULL;
+                tile_pass(x0, x1, s0, gate, up, chunks, 1, second, sums);
+                store_gated(sums, sums + 256, b, half, t * BLOCK, rows, out, out_stride);
+                if (second)
+                    store_gated(sums + 512, sums + 768, b, half, (t + 1) * BLOCK, rows, out,
+                                out_stride);
+                t += second ? 2 : 1;
+            }
+        }
+        if (sums) amx_end();
+        free(sums);
+    }
+    free(padded);
+    return failed;
+}
+
 #else
+int gated_bf16_tiles(const uint16_t *x, int rows, int inputs, int64_t x_stride,
+                     const uint16_t *w, int outputs, uint16_t *out, int64_t out_stride,
+                     int threads) {
+    (void)x; (void)rows; (void)inputs; (void)x_stride; (void)w; (void)outputs; (void)out;
+    (void)out_stride; (void)threads;
+    return 1;
+}
+
 int linear_bf16_tiles(const uint16_t *x, int rows, int inputs, int64_t x_stride,
                       const uint16_t *w, int outputs, const float *bias, uint16_t *out,
                       int64_t out_stride, int threads) {

@@ -137,6 +137,15 @@ class TileProduct(KernelProduct):
             return self.library.linear(x, packed, outputs, bias)
         return self.library.linear_tiles(x, packed, outputs, bias)
 
+    def gated_pair(self, x: torch.Tensor, packed: torch.Tensor, outputs: int) -> torch.Tensor | None:
+        """silu(x gate) * (x up) in one call, `packed` gate's weight and then up's as one
+        (`outputs` in all): each step rounded as the unfused form rounds it (the activation
+        the kernels' own, within a rounding of torch's). None where the tiles do not take
+        the shapes whole."""
+        if x.shape[-1] % 32 or outputs % 32:
+            return None
+        return self.library.gated_tiles(x, packed, outputs)
+
 
 @functools.cache
 def packing_available() -> bool:
