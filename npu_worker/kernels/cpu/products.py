@@ -137,7 +137,9 @@ class TileProduct(KernelProduct):
             return self.library.linear(x, packed, outputs, bias)
         return self.library.linear_tiles(x, packed, outputs, bias)
 
-    def gated_pair(self, x: torch.Tensor, packed: torch.Tensor, outputs: int) -> torch.Tensor | None:
+    def gated_pair(
+        self, x: torch.Tensor, packed: torch.Tensor, outputs: int
+    ) -> torch.Tensor | None:
         """silu(x gate) * (x up) in one call, `packed` gate's weight and then up's as one
         (`outputs` in all): each step rounded as the unfused form rounds it (the activation
         the kernels' own, within a rounding of torch's). None where the tiles do not take
