@@ -41,6 +41,8 @@ class LaunchInputs:
     packed_keys: torch.Tensor | None = None  # [3, K]: key slots, positions, segments (eager)
     rows: tuple[torch.Tensor, torch.Tensor] | None = None  # token_rows(), once per launch
     tables: torch.Tensor | None = None  # a cache of blocks: the rows' block tables, once
+    # token_rows() through the cache's tables (`KVCache.locate`), once per launch and cache
+    located: tuple[object, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @property
     def packed(self) -> bool:
@@ -194,6 +196,13 @@ class KVCache:
         if not self.paged:
             return slots, positions
         return self.tables[slots, positions // self.block_size], positions % self.block_size
+
+    def locate_tokens(self, launch: LaunchInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """`locate` of every token of the launch (`token_rows`), computed once per launch and
+        shared by every layer."""
+        if launch.located is None or launch.located[0] is not self:
+            launch.located = (self, self.locate(*launch.token_rows()))
+        return launch.located[1]
 
     def spans(self, buffer: torch.Tensor, slots: torch.Tensor, span: int) -> torch.Tensor:
         """[B, Hkv, span, D]: positions [0, span) of each of `slots`' entries in `buffer`

@@ -52,7 +52,7 @@ class KernelAttention(RotaryAttention):
         ):
             q, k = rotate_half(q, cos, sin), rotate_half(k, cos, sin)
             if launch.packed:
-                rows, at = cache.locate(*launch.token_rows())
+                rows, at = cache.locate_tokens(launch)
                 k_cache[rows, :, at] = k[0].to(k_cache.dtype)
                 v_cache[rows, :, at] = v[0].to(v_cache.dtype)
             else:
@@ -60,7 +60,7 @@ class KernelAttention(RotaryAttention):
             return kernel_attention(library, q, cache, layer, launch)
         batch, seq, heads, dim = q.shape
         tokens = batch * seq
-        slots, positions = cache.locate(*launch.token_rows())
+        slots, positions = cache.locate_tokens(launch)
         library.rope_store(
             q.view(tokens, heads, dim),
             k.view(tokens, self.num_kv_heads, dim),
@@ -99,7 +99,7 @@ class KernelCacheAttention(CacheAttention):
             return super().__call__(q, k, v, cache, layer, launch)
         values_in_keys = v_cache.data_ptr() == k_cache.data_ptr()
         if launch.packed:
-            rows, at = cache.locate(*launch.token_rows())
+            rows, at = cache.locate_tokens(launch)
             k_cache[rows, :, at] = k[0].to(k_cache.dtype)
             if not values_in_keys:
                 v_cache[rows, :, at] = v[0].to(v_cache.dtype)

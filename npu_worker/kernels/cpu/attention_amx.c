@@ -1,9 +1,13 @@
-/* Attention scores on AMX tiles (library.py builds this file into the kernels; kernels.c
-   calls it where the CPU and the compiler have AMX-BF16 and the kernel lets the process use
-   its tiles). One tile product gives 16 keys' scores against 16 queries; each score is its
+/* Attention on AMX tiles (library.py builds this file into the kernels; kernels.c calls it
+   where the CPU and the compiler have AMX-BF16 and the kernel lets the process use its
+   tiles). One tile product gives 16 keys' scores against 16 queries; each score is its
    key's and its query's own dot product, summed pair by pair in channel order, so a query's
-   scores do not depend on which queries or keys share its tiles. Decode and prefill rows
-   both come here, so a token's bits are the same whichever launch computes it. */
+   scores do not depend on which queries or keys share its tiles. After the softmax, two
+   tile products add 32 keys' values, weighted by their numerators split in two bfloat16s
+   (a high part and the rest, so about 16 bits of each where a single bfloat16 keeps 8), to
+   16 queries' sums of 16 channels; each sum runs over its query's keys in order, 32 at a
+   time, and the keys of other queries in the tile add exact zeros. Decode and prefill rows both come here, so a token's bits are the same
+   whichever launch computes it. */
 #include <stdint.h>
 #include <string.h>
 
@@ -195,6 +199,150 @@ void amx_scores(const uint16_t *qh, int nq, int first, int group, const int64_t 
             score_block(k[s * table_step + b], t0, wanted, j0 < 0 ? 0 : j0, j1 < nq ? j1 : nq,
                         longest, block, row_bytes, dim, scaled, scores, scratch, turn);
         }
+    }
+}
+
+/* value sums (tile c, 16 channels) += the numerators' high parts (tile 4), then their low
+   parts (tile 7), times 32 keys' values of channels c*16.. (tile 5 or 6, as pairs of keys) */
+static inline void add_values(int c, const uint16_t *pairs) {
+    switch (c) {
+    case 0: _tile_loadd(5, pairs, 64); _tile_dpbf16ps(0, 4, 5); _tile_dpbf16ps(0, 7, 5); break;
+    case 1:
+        _tile_loadd(6, pairs + 512, 64); _tile_dpbf16ps(1, 4, 6); _tile_dpbf16ps(1, 7, 6);
+        break;
+    case 2:
+        _tile_loadd(5, pairs + 1024, 64); _tile_dpbf16ps(2, 4, 5); _tile_dpbf16ps(2, 7, 5);
+        break;
+    case 3:
+        _tile_loadd(6, pairs + 1536, 64); _tile_dpbf16ps(3, 4, 6); _tile_dpbf16ps(3, 7, 6);
+        break;
+    }
+}
+
+static inline void store_values(int c, float *sums) {
+    switch (c) {
+    case 0: _tile_stored(0, sums, 64); break;
+    case 1: _tile_stored(1, sums + 256, 64); break;
+    case 2: _tile_stored(2, sums + 512, 64); break;
+    case 3: _tile_stored(3, sums + 768, 64); break;
+    }
+}
+
+/* float32 to bfloat16, as two: the high part rounded to nearest even, the low part the rest
+   (exact in float32) rounded the same way, so high + low holds about 16 of the float's 24
+   bits; 32 values, the first 16 in `a` */
+static inline void split_bf16(__m512 a, __m512 b, __m512i *high, __m512i *low) {
+    __m512i h = (__m512i)_mm512_cvtne2ps_pbh(b, a);
+    __m512 ha = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+        _mm512_castsi512_si256(h)), 16));
+    __m512 hb = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+        _mm512_extracti64x4_epi64(h, 1)), 16));
+    *high = h;
+    *low = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(b, hb), _mm512_sub_ps(a, ha));
+}
+
+/* the numerators of queries j0..j1-1 (rows `longest` apart) for keys t0..t0+31, those at or
+   past `keys` zero, split in two bfloat16s (`split_bf16`): row j of `pa` (32 a row) the
+   high parts, of `pa + 512` the low ones; the tiles' other rows zeros */
+static void numerators(const float *p, int j0, int j1, int t0, int keys, int longest,
+                       uint16_t *pa) {
+    int left = keys - t0 < 32 ? keys - t0 : 32;
+    __mmask16 lo = (__mmask16)(left >= 16 ? 0xffff : (1u << left) - 1);
+    __mmask16 hi = (__mmask16)(left >= 32 ? 0xffff : left > 16 ? (1u << (left - 16)) - 1 : 0);
+    for (int j = 0; j < 16; j++) {
+        __m512i high = _mm512_setzero_si512(), low = high;
+        if (j >= j0 && j < j1) {
+            const float *at = p + (size_t)j * longest + t0;
+            __m512 a = _mm512_maskz_loadu_ps(lo, at), b = _mm512_maskz_loadu_ps(hi, at + 16);
+            split_bf16(a, b, &high, &low);
+        }
+        _mm512_storeu_si512(pa + j * 32, high);
+        _mm512_storeu_si512(pa + 512 + j * 32, low);
+    }
+}
+
+/* keys t0..t0+31 (those at or past `keys` zeros) of a table's value blocks, channels d0..
+   d0 + 32 * halves, as the right operands of tile products: pair r (keys t0 + 2r, t0 + 2r + 1)
+   of channel tile c at pairs[c * 512 + r * 32], each channel's two values side by side */
+static void value_pairs(const char *const *v, int t0, int keys, int block, size_t row_bytes,
+                        int d0, int halves, uint16_t *pairs) {
+    const __m512i first = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41,
+                                           9, 40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2,
+                                           33, 1, 32, 0);
+    const __m512i second = _mm512_add_epi16(first, _mm512_set1_epi16(16));
+    for (int r = 0; r < 16; r++) {
+        int t = t0 + 2 * r;
+        const char *a = t < keys ? v[t / block] + (size_t)(t % block) * row_bytes + d0 * 2 : 0;
+        const char *b = t + 1 < keys
+            ? v[(t + 1) / block] + (size_t)((t + 1) % block) * row_bytes + d0 * 2 : 0;
+        for (int h = 0; h < halves; h++) {
+            __m512i x = a ? _mm512_loadu_si512(a + h * 64) : _mm512_setzero_si512();
+            __m512i y = b ? _mm512_loadu_si512(b + h * 64) : _mm512_setzero_si512();
+            _mm512_storeu_si512(pairs + (2 * h) * 512 + r * 32,
+                                _mm512_permutex2var_epi16(x, first, y));
+            _mm512_storeu_si512(pairs + (2 * h + 1) * 512 + r * 32,
+                                _mm512_permutex2var_epi16(x, second, y));
+        }
+    }
+}
+
+/* Value sums of `nq` (at most 16) queries, queries first.. of a task whose positions each
+   have `group` of them (position s = (first + j) / group sees keys 0..limit[s]-1):
+   acc[j * vdim + d] = the sum over keys t of p[j][t] * value t's channel d, the numerators p
+   (rows `longest` apart, zeros past each query's keys) split in two bfloat16s, a high part
+   and the rest (about 16 bits of each, where torch's CPU attention keeps 8), 32 keys a tile
+   product in order of t from 0, so a query's sums depend only on its numerators and its
+   values: the keys other queries of the tile see add exact zeros. Value t is row t % block of
+   v[s * table_step + t / block] (bfloat16, rows `v_step` elements apart): with table_step 0
+   every position reads one table; else each its own, the first `common` blocks the same for
+   all (32 keys wholly in them one product for every query, else one a position). Keys past
+   the tile's (or the position's) last are zeros, whatever the cache holds there. vdim a
+   multiple of 32. Needs `amx_begin` on this thread; pairs holds 2048 bfloat16s, pa 1024, sums
+   1024 floats. */
+void amx_values(const float *p, int nq, int first, int group, const int64_t *limit,
+                int longest, const char *const *v, int64_t table_step, int common, int block,
+                int64_t v_step, int vdim, float *acc, uint16_t *pairs, uint16_t *pa,
+                float *sums) {
+    int s0 = first / group, s1 = (first + nq - 1) / group, most = 0;
+    for (int s = s0; s <= s1; s++) most = limit[s] > most ? (int)limit[s] : most;
+    size_t row_bytes = (size_t)v_step * 2;
+    for (int d0 = 0; d0 < vdim; d0 += 64) {
+        int halves = vdim - d0 >= 64 ? 2 : 1, tiles = 2 * halves;
+        for (int c = 0; c < tiles; c++) {
+            switch (c) {
+            case 0: _tile_zero(0); break;
+            case 1: _tile_zero(1); break;
+            case 2: _tile_zero(2); break;
+            case 3: _tile_zero(3); break;
+            }
+        }
+        for (int t0 = 0; t0 < most; t0 += 32) {
+            int shared = table_step == 0 || t0 + 32 <= common * block;
+            for (int s = s0; s <= s1; s++) {
+                int j0 = 0, j1 = nq, keys = most;
+                const char *const *table = v;
+                if (!shared) { /* this position's queries over its own table */
+                    j0 = s * group - first, j1 = (s + 1) * group - first;
+                    j0 = j0 < 0 ? 0 : j0, j1 = j1 < nq ? j1 : nq;
+                    keys = (int)limit[s], table = v + s * table_step;
+                    if (t0 >= keys) continue;
+                }
+                MEMORY_FENCE(); /* the last products have read what these overwrite */
+                numerators(p, j0, j1, t0, keys, longest, pa);
+                value_pairs(table, t0, keys, block, row_bytes, d0, halves, pairs);
+                MEMORY_FENCE();
+                _tile_loadd(4, pa, 64);
+                _tile_loadd(7, pa + 512, 64);
+                for (int c = 0; c < tiles; c++) add_values(c, pairs);
+                if (shared) break;
+            }
+        }
+        for (int c = 0; c < tiles; c++) store_values(c, sums);
+        MEMORY_FENCE();
+        for (int j = 0; j < nq; j++)
+            for (int c = 0; c < tiles; c++)
+                memcpy(acc + (size_t)j * vdim + d0 + 16 * c, sums + c * 256 + j * 16,
+                       16 * sizeof(float));
     }
 }
 #endif

@@ -1,6 +1,7 @@
 /* The CPU kernels of npu-pool (library.py builds this file with the system's C compiler
    and calls it through ctypes): attention over the KV cache that reads each query's own
-   keys once (its scores on AMX tiles where the CPU has them: attention_amx.c), RoPE with
+   keys once (its scores and value sums on AMX tiles where the CPU has them:
+   attention_amx.c), RoPE with
    the K/V writes, and RMSNorm. Every sum runs in one fixed order that depends only on its
    own row, so a row's results do not depend on what shares its launch. */
 #include <math.h>
@@ -26,6 +27,10 @@ void amx_scores(const uint16_t *qh, int nq, int first, int group, const int64_t 
                 int longest, const char *const *k, int64_t table_step, int common, int block,
                 int64_t k_step, int dim, float scale, float *scores, uint32_t *qt,
                 uint16_t *scratch, float *turn);
+void amx_values(const float *p, int nq, int first, int group, const int64_t *limit,
+                int longest, const char *const *v, int64_t table_step, int common, int block,
+                int64_t v_step, int vdim, float *acc, uint16_t *pairs, uint16_t *pa,
+                float *sums);
 #endif
 
 #define LANES 16
@@ -416,6 +421,19 @@ static void attend_row(const float *q, const uint16_t *qh, int queries, const in
     for (int s = 0; s < seq; s++)
         for (int i = s * group; i < (s + 1) * group; i++)
             total[i] = softmax_row(scores + (size_t)i * longest, (int)limit[s], longest);
+#ifdef HAVE_AMX_ATTENTION
+    if (amx && vdim % 32 == 0) { /* numerators as two bfloat16s by 32 keys' values */
+        uint16_t *pairs = (uint16_t *)(total + queries) + 2 * 6 * 256 + 16 * (size_t)dim + 512;
+        uint16_t *pa = pairs + 2048;
+        float *sums = (float *)(pa + 1024);
+        for (int i = 0; i < queries; i += 16) {
+            int nq = queries - i < 16 ? queries - i : 16;
+            amx_values(scores + (size_t)i * longest, nq, i, group, limit, longest, v,
+                       table_step, common, block, v_step, vdim, acc + (size_t)i * vdim, pairs,
+                       pa, sums);
+        }
+    } else
+#endif
 #ifdef HAVE_AVX2_ATTENTION
     if (vdim % 32 == 0)
         weigh_values_avx2(scores, longest, queries, longest, v, block, v_step, dtype, vdim,
@@ -519,7 +537,8 @@ int decode_attention(const void *q, int64_t q_row, const void *k, const void *v,
     size_t elem = dtype == 0 ? 4 : 2;
     int queries = longest_run * group; /* a task's most */
     size_t work_floats = dim + vdim + (size_t)queries * (span > 0 ? span : 1)
-                         + (size_t)queries * (vdim + 1) + 6 * 256 + 8 * (size_t)dim + 256;
+                         + (size_t)queries * (vdim + 1) + 6 * 256 + 8 * (size_t)dim + 256
+                         + (amx ? 2560 + 64 : 0); /* amx_values: pairs, numerators, sums */
     #pragma omp parallel num_threads(threads) reduction(|:failed)
     {
         float *work = malloc(work_floats * sizeof(float));
