@@ -129,77 +129,73 @@ static inline void tile_pass(const char *x0, const char *x1, size_t x_bytes, con
     MEMORY_FENCE();
 }
 
-/* out [rows, outputs] = x [rows, inputs] times the packed weight (+ bias, float32), as
-   `linear_bf16` takes them; inputs a multiple of 32. Returns 1 where this build or the
-   kernel gives no tiles, 3 where inputs is not a multiple of 32, 2 where memory ran out */
-int linear_bf16_tiles(const uint16_t *x, int rows, int inputs, int64_t x_stride,
-                      const uint16_t *w, int outputs, const float *bias, uint16_t *out,
-                      int64_t out_stride, int threads) {
-    if (!amx_request()) return 1;
-    if (inputs % CHUNK) return 3;
-    int blocks = (outputs + BLOCK - 1) / BLOCK, chunks = inputs / CHUNK;
-    int pairs_of_blocks = (blocks + 1) / 2, full = rows / BLOCK, tail = rows % BLOCK;
-    size_t block_bytes = (size_t)inputs / 2 * 64, x_bytes = (size_t)x_stride * 2;
-    /* the last rows short of a tile, copied where zeros follow them */
-    uint16_t *padded = NULL;
-    if (tail) {
-        padded = calloc((size_t)BLOCK * inputs, sizeof(uint16_t));
-        if (!padded) return 2;
-        for (int r = 0; r < tail; r++)
-            memcpy(padded + (size_t)r * inputs, x + (int64_t)(full * BLOCK + r) * x_stride,
-                   (size_t)inputs * 2);
+/* x's last rows short of a tile (rows % 16 of them) copied where zeros follow them, so a
+   tile reads 16 rows; NULL where there are none, or memory ran out (`*failed` 2) */
+static uint16_t *padded_tail(const uint16_t *x, int rows, int inputs, int64_t x_stride,
+                             int *failed) {
+    int full = rows / BLOCK, tail = rows % BLOCK;
+    if (!tail) return NULL;
+    uint16_t *padded = calloc((size_t)BLOCK * inputs, sizeof(uint16_t));
+    if (!padded) {
+        *failed = 2;
+        return NULL;
     }
-    int row_tiles = full + (tail ? 1 : 0);
-    int failed = 0;
+    for (int r = 0; r < tail; r++)
+        memcpy(padded + (size_t)r * inputs, x + (int64_t)(full * BLOCK + r) * x_stride,
+               (size_t)inputs * 2);
+    return padded;
+}
+
+/* tile t of x's rows: its first row and the bytes between its rows (the padded tail's own) */
+static inline const char *row_tile(const uint16_t *x, int64_t x_stride, int t, int full,
+                                   const uint16_t *padded, int inputs, size_t *stride) {
+    *stride = t < full ? (size_t)x_stride * 2 : (size_t)inputs * 2;
+    return t < full ? (const char *)(x + (int64_t)t * BLOCK * x_stride) : (const char *)padded;
+}
+
+/* The two products below: each pass is two blocks of the packed weight (b, b + 1 of a
+   linear layer's; gate's block b and up's for a gated one) by up to two tiles of x's rows,
+   passes outermost, so each weight block comes from memory once for all the rows */
+static int tile_products(const uint16_t *x, int rows, int inputs, int64_t x_stride,
+                         const uint16_t *w, int outputs, const float *bias, uint16_t *out,
+                         int64_t out_stride, int threads, int gated) {
+    if (!amx_request()) return 1;
+    if (inputs % CHUNK || (gated && outputs % (2 * BLOCK))) return 3;
+    int wide = gated ? outputs / 2 : outputs; /* out's outputs */
+    int blocks = (wide + BLOCK - 1) / BLOCK, passes = gated ? blocks : (blocks + 1) / 2;
+    int chunks = inputs / CHUNK, full = rows / BLOCK, failed = 0;
+    int row_tiles = full + (rows % BLOCK ? 1 : 0);
+    size_t block_bytes = (size_t)inputs / 2 * 64;
+    uint16_t *padded = padded_tail(x, rows, inputs, x_stride, &failed);
+    if (failed) return failed;
     #pragma omp parallel num_threads(threads) reduction(|:failed)
     {
         float *sums = aligned_alloc(64, 4 * 256 * sizeof(float));
         if (!sums) failed = 2;
         else amx_begin();
-        /* outputs outer: each pair of blocks comes from memory once for all the rows */
         #pragma omp for schedule(static)
-        for (int g = 0; g < pairs_of_blocks; g++) {
+        for (int g = 0; g < passes; g++) {
             if (!sums) continue;
-            int b = 2 * g, two = b + 1 < blocks;
+            int b = gated ? g : 2 * g, two = gated || b + 1 < blocks;
             const char *w0 = (const char *)w + (size_t)b * block_bytes;
-            const char *w1 = w0 + block_bytes;
-            for (int t = 0; t < row_tiles; t += 2) {
-                int second = t + 1 < row_tiles;
-                const char *x0 = t < full ? (const char *)(x + (int64_t)t * BLOCK * x_stride)
-                                          : (const char *)padded;
-                size_t s0 = t < full ? x_bytes : (size_t)inputs * 2;
-                const char *x1 = NULL;
-                size_t s1 = s0;
-                if (second) {
-                    x1 = t + 1 < full ? (const char *)(x + (int64_t)(t + 1) * BLOCK * x_stride)
-                                      : (const char *)padded;
-                    s1 = t + 1 < full ? x_bytes : (size_t)inputs * 2;
+            const char *w1 = (const char *)w + (size_t)(gated ? blocks + g : b + 1) * block_bytes;
+            for (int t = 0; t < row_tiles;) { /* two tiles of rows a pass where both are x's */
+                size_t stride;
+                const char *x0 = row_tile(x, x_stride, t, full, padded, inputs, &stride);
+                int second = t + 1 < full;
+                tile_pass(x0, second ? x0 + BLOCK * stride : NULL, stride, w0, w1, chunks, two,
+                          second, sums);
+                for (int r = 0; r <= second; r++) {
+                    const float *mine = sums + 512 * r;
+                    int r0 = (t + r) * BLOCK;
+                    if (gated) {
+                        store_gated(mine, mine + 256, b, wide, r0, rows, out, out_stride);
+                        continue;
+                    }
+                    store_sums(mine, bias, b, wide, r0, rows, out, out_stride);
+                    if (two) store_sums(mine + 256, bias, b + 1, wide, r0, rows, out, out_stride);
                 }
-                if (second && s1 != s0) { /* rows of two strides: one tile of rows a pass */
-                    tile_pass(x0, NULL, s0, w0, w1, chunks, two, 0, sums);
-                    store_sums(sums, bias, b, outputs, t * BLOCK, rows, out, out_stride);
-                    if (two)
-                        store_sums(sums + 256, bias, b + 1, outputs, t * BLOCK, rows, out,
-                                   out_stride);
-                    tile_pass(x1, NULL, s1, w0, w1, chunks, two, 0, sums);
-                    store_sums(sums, bias, b, outputs, (t + 1) * BLOCK, rows, out, out_stride);
-                    if (two)
-                        store_sums(sums + 256, bias, b + 1, outputs, (t + 1) * BLOCK, rows,
-                                   out, out_stride);
-                    continue;
-                }
-                tile_pass(x0, x1, s0, w0, w1, chunks, two, second, sums);
-                store_sums(sums, bias, b, outputs, t * BLOCK, rows, out, out_stride);
-                if (two)
-                    store_sums(sums + 256, bias, b + 1, outputs, t * BLOCK, rows, out,
-                               out_stride);
-                if (second) {
-                    store_sums(sums + 512, bias, b, outputs, (t + 1) * BLOCK, rows, out,
-                               out_stride);
-                    if (two)
-                        store_sums(sums + 768, bias, b + 1, outputs, (t + 1) * BLOCK, rows, out,
-                                   out_stride);
-                }
+                t += second ? 2 : 1;
             }
         }
         if (sums) amx_end();
@@ -207,6 +203,16 @@ int linear_bf16_tiles(const uint16_t *x, int rows, int inputs, int64_t x_stride,
     }
     free(padded);
     return failed;
+}
+
+/* out [rows, outputs] = x [rows, inputs] times the packed weight (+ bias, float32), as
+   `linear_bf16` takes them; inputs a multiple of 32. Returns 1 where this build or the
+   kernel gives no tiles, 3 where inputs is not a multiple of 32, 2 where memory ran out */
+int linear_bf16_tiles(const uint16_t *x, int rows, int inputs, int64_t x_stride,
+                      const uint16_t *w, int outputs, const float *bias, uint16_t *out,
+                      int64_t out_stride, int threads) {
+    return tile_products(x, rows, inputs, x_stride, w, outputs, bias, out, out_stride, threads,
+                         0);
 }
 
 /* out [rows, outputs / 2] = silu(x gate) * (x up), where the packed weight holds gate's
@@ -217,49 +223,8 @@ int linear_bf16_tiles(const uint16_t *x, int rows, int inputs, int64_t x_stride,
 int gated_bf16_tiles(const uint16_t *x, int rows, int inputs, int64_t x_stride,
                      const uint16_t *w, int outputs, uint16_t *out, int64_t out_stride,
                      int threads) {
-    if (!amx_request()) return 1;
-    if (inputs % CHUNK || outputs % (2 * BLOCK)) return 3;
-    int half = outputs / 2, blocks = half / BLOCK, chunks = inputs / CHUNK;
-    int full = rows / BLOCK, tail = rows % BLOCK, row_tiles = full + (tail ? 1 : 0);
-    size_t block_bytes = (size_t)inputs / 2 * 64, x_bytes = (size_t)x_stride * 2;
-    uint16_t *padded = NULL;
-    if (tail) {
-        padded = calloc((size_t)BLOCK * inputs, sizeof(uint16_t));
-        if (!padded) return 2;
-        for (int r = 0; r < tail; r++)
-            memcpy(padded + (size_t)r * inputs, x + (int64_t)(full * BLOCK + r) * x_stride,
-                   (size_t)inputs * 2);
-    }
-    int failed = 0;
-    #pragma omp parallel num_threads(threads) reduction(|:failed)
-    {
-        float *sums = aligned_alloc(64, 4 * 256 * sizeof(float));
-        if (!sums) failed = 2;
-        else amx_begin();
-        #pragma omp for schedule(static)
-        for (int b = 0; b < blocks; b++) {
-            if (!sums) continue;
-            const char *gate = (const char *)w + (size_t)b * block_bytes;
-            const char *up = (const char *)w + (size_t)(blocks + b) * block_bytes;
-            for (int t = 0; t < row_tiles;) { /* two tiles of rows a pass where they can */
-                const char *x0 = t < full ? (const char *)(x + (int64_t)t * BLOCK * x_stride)
-                                          : (const char *)padded;
-                size_t s0 = t < full ? x_bytes : (size_t)inputs * 2;
-                int second = t + 1 < full; /* whole rows of x after these */
-                const char *x1 = second ? x0 + BLOCK * x_bytes : NULL;
-                tile_pass(x0, x1, s0, gate, up, chunks, 1, second, sums);
-                store_gated(sums, sums + 256, b, half, t * BLOCK, rows, out, out_stride);
-                if (second)
-                    store_gated(sums + 512, sums + 768, b, half, (t + 1) * BLOCK, rows, out,
-                                out_stride);
-                t += second ? 2 : 1;
-            }
-        }
-        if (sums) amx_end();
-        free(sums);
-    }
-    free(padded);
-    return failed;
+    return tile_products(x, rows, inputs, x_stride, w, outputs, NULL, out, out_stride, threads,
+                         1);
 }
 
 #else
