@@ -11,7 +11,8 @@ order that depends only on the row's own context. The dot products are summed 16
 a time through one tree of shuffles (no horizontal sum per key), and bfloat16 keys are
 multiplied as bfloat16 pairs accumulated in float32 (AVX512-BF16) where the CPU has it; on
 CPUs with AVX2 and no AVX-512 the scores and the values' sums run in registers, 8 lanes at
-a time (attention_avx2.c).
+a time (attention_avx2.c); on CPUs with AMX both are tile products (attention_amx.c), and
+so are the bfloat16 products where the probe picks them (matmul_amx.c, products.py).
 Prefill chunks pass every token as a row of its own (attention.py), so a prompt token's
 attention is computed exactly as its decode would be. So a row's output is bit-identical
 whatever else shares its launch and whatever span the launch reads (docs/architecture.md §2).
@@ -21,7 +22,7 @@ whatever else shares its launch and whatever span the launch reads (docs/archite
 `rms_norm` is Llama's RMSNorm (in bfloat16 the bits of the torch path): each replaces a
 dozen small torch operations a layer, whose dispatch cost as much as their arithmetic.
 
-The C (`kernels.c`, `attention_avx2.c` and `matmul.c`, beside this file) is built once per
+The C (`SOURCE_FILES`, beside this file) is built once per
 machine with the system's C compiler into the npu-pool cache (keyed by its source, the
 compiler and the CPU) and called through ctypes, which releases the GIL while it runs.
 Where there is no compiler or the build fails, `load_cpu_kernels` returns None and the CPU
