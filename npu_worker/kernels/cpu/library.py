@@ -100,9 +100,7 @@ class CpuKernels:
         self.tile_product.restype = ctypes.c_int
         self.has_tiles = bool(library.tiles_available())
         self.gated_product = library.gated_bf16_tiles
-        self.gated_product.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
-        self.gated_product.argtypes += [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
-        self.gated_product.argtypes += [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+        self.gated_product.argtypes = self.product.argtypes
         self.gated_product.restype = ctypes.c_int
         self.fp4_product = library.linear_mxfp4
         self.fp4_product.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int64]
@@ -148,25 +146,15 @@ class CpuKernels:
         weights laid out as one by `pack_linear` (`outputs` in all, a multiple of 32),
         inputs a multiple of 32: [..., outputs / 2] bfloat16, each step rounded to bfloat16
         as the unfused form rounds it. A row's bits depend only on that row."""
-        inputs = x.shape[-1]
-        rows = x.reshape(-1, inputs)
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
-        out = torch.empty(rows.shape[0], outputs // 2, dtype=torch.bfloat16)
-        failed = self.gated_product(
-            rows.data_ptr(),
-            rows.shape[0],
-            inputs,
-            rows.stride(0),
-            packed.data_ptr(),
+        return self._rows_times(
+            self.gated_product,
+            "gated_bf16_tiles",
+            x,
             outputs,
-            out.data_ptr(),
-            outputs // 2,
-            torch.get_num_threads(),
+            None,
+            packed.data_ptr(),
+            width=outputs // 2,
         )
-        if failed:
-            raise RuntimeError(f"gated_bf16_tiles failed ({failed}): not in this build")
-        return out.view(*x.shape[:-1], outputs // 2)
 
     def linear_mxfp4(
         self,
@@ -207,14 +195,17 @@ class CpuKernels:
         outputs: int,
         bias: torch.Tensor | None,
         *weight: int,
+        width: int | None = None,
     ) -> torch.Tensor:
-        """One of matmul.c's products, `product(x, rows, inputs, x_stride, *weight, outputs,
-        bias, out, out_stride, threads)`, over x's rows: [..., outputs] bfloat16."""
+        """One of matmul.c's (or matmul_amx.c's) products, `product(x, rows, inputs,
+        x_stride, *weight, outputs, bias, out, out_stride, threads)`, over x's rows:
+        [..., width] bfloat16 (`width` the outputs unless the product gives fewer)."""
         inputs = x.shape[-1]
         rows = x.reshape(-1, inputs)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
-        out = torch.empty(rows.shape[0], outputs, dtype=torch.bfloat16)
+        width = outputs if width is None else width
+        out = torch.empty(rows.shape[0], width, dtype=torch.bfloat16)
         added = None if bias is None else bias.detach().float().contiguous()
         failed = product(
             rows.data_ptr(),
@@ -225,12 +216,12 @@ class CpuKernels:
             outputs,
             None if added is None else added.data_ptr(),
             out.data_ptr(),
-            outputs,
+            width,
             torch.get_num_threads(),
         )
         if failed:
             raise RuntimeError(f"{name} failed ({failed}): not in this build, or out of memory")
-        return out.view(*x.shape[:-1], outputs)
+        return out.view(*x.shape[:-1], width)
 
     def rope_store(
         self,

@@ -218,21 +218,23 @@ int linear_bf16_tiles(const uint16_t *x, int rows, int inputs, int64_t x_stride,
 /* out [rows, outputs / 2] = silu(x gate) * (x up), where the packed weight holds gate's
    `outputs / 2` outputs, then up's (a multiple of 16 each), inputs a multiple of 32: gate's
    block b and up's block b in one pass, their sums rounded to bfloat16 as `linear_bf16_tiles`
-   rounds them, then the activation and product as `store_gated`. The same returns as
-   `linear_bf16_tiles` */
+   rounds them, then the activation and product as `store_gated`. `linear_bf16_tiles`'s
+   arguments, `bias` NULL (a gated pair with biases takes the unfused form: 3 otherwise), and
+   its returns */
 int gated_bf16_tiles(const uint16_t *x, int rows, int inputs, int64_t x_stride,
-                     const uint16_t *w, int outputs, uint16_t *out, int64_t out_stride,
-                     int threads) {
+                     const uint16_t *w, int outputs, const float *bias, uint16_t *out,
+                     int64_t out_stride, int threads) {
+    if (bias) return 3;
     return tile_products(x, rows, inputs, x_stride, w, outputs, NULL, out, out_stride, threads,
                          1);
 }
 
 #else
 int gated_bf16_tiles(const uint16_t *x, int rows, int inputs, int64_t x_stride,
-                     const uint16_t *w, int outputs, uint16_t *out, int64_t out_stride,
-                     int threads) {
-    (void)x; (void)rows; (void)inputs; (void)x_stride; (void)w; (void)outputs; (void)out;
-    (void)out_stride; (void)threads;
+                     const uint16_t *w, int outputs, const float *bias, uint16_t *out,
+                     int64_t out_stride, int threads) {
+    (void)x; (void)rows; (void)inputs; (void)x_stride; (void)w; (void)outputs; (void)bias;
+    (void)out; (void)out_stride; (void)threads;
     return 1;
 }
 
