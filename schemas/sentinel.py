@@ -12,9 +12,10 @@ never fail once it is a replica. Three changes here close that:
 - `still_primary` says whether the server the calling thread (or task) last wrote to is
   the primary now: an admission acknowledged by a stale primary (and by a replica that
   has not yet been moved to the new one) is not an acknowledgement;
-- while the only Sentinel answers of the newest epoch come from the Sentinel running that
-  epoch's failover, no primary is named at all: a paused old primary that answers again
-  between the promotion and the others hearing of it is not taken for the primary.
+- while any Sentinel runs a failover, no primary is named at all, and the newest epoch is
+  the newest any Sentinel reports, even one that (as a failover's leader does until it
+  ends) still marks the old primary down: a paused old primary that answers again during
+  a failover is not taken for the primary, whichever Sentinels have heard of it yet.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import contextvars
 import logging
 import time
 import urllib.parse
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -125,23 +127,31 @@ def redacted_url(url: str) -> str:
     return urllib.parse.urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
 
 
-def _newest(states: list[dict[str, Any]], service: str) -> Address:
-    """The primary named by the Sentinel answers of the highest configuration epoch; none
-    while the only such answers come from the Sentinel running that epoch's failover."""
-    if not states:
-        raise MasterNotFoundError(f"no Sentinel names a primary for {service!r} now")
-    # The Sentinel that runs a failover names the old primary, under the new epoch, until
-    # the failover ends; the others name the promoted one once they hear of it. Between the
-    # promotion and then, an old primary that was only paused answers again and would be
-    # named by both: so neither that answer nor the older epochs' count.
-    newest = max(int(s.get("config-epoch", 0)) for s in states)
-    settled = [
-        s
-        for s in states
-        if int(s.get("config-epoch", 0)) == newest and "failover_in_progress" not in s["flags"]
-    ]
-    if not settled:
+def _newest(
+    states: list[dict[str, Any]], service: str, usable: Callable[[dict[str, Any]], bool]
+) -> Address:
+    """The primary named by the Sentinel answers of the highest configuration epoch that
+    `usable` accepts (redis-py's check: a primary, not marked down, seen by enough
+    Sentinels); none while any Sentinel runs a failover.
+
+    The epoch is taken over every answer, usable or not. A failover's leader raises the
+    epoch when it promotes a replica, but it still marks the old primary down until the
+    failover ends, so its answer is not usable; a paused old primary that answers again
+    meanwhile is no longer down for the Sentinels not yet told, which name it under the
+    old epoch. Between its election and its end the leader names the old primary, so no
+    primary is named while it runs: a write acknowledged then, by the old primary and a
+    replica about to follow the promoted one, would be dropped at the replica's resync."""
+    if any("failover_in_progress" in s["flags"] for s in states):
         raise MasterNotFoundError(f"a failover of {service!r} is under way")
+    good = [s for s in states if usable(s)]
+    if not good:
+        raise MasterNotFoundError(f"no Sentinel names a primary for {service!r} now")
+    newest = max(int(s.get("config-epoch", 0)) for s in states)
+    settled = [s for s in good if int(s.get("config-epoch", 0)) == newest]
+    if not settled:
+        raise MasterNotFoundError(
+            f"no Sentinel of the newest epoch names a primary for {service!r}"
+        )
     return str(settled[0]["ip"]), int(settled[0]["port"])
 
 
@@ -155,9 +165,9 @@ class EpochSentinel(Sentinel):
                 state = cast(dict[str, Any], sentinel.sentinel_master(service_name))
             except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError):
                 continue
-            if state and self.check_master_state(state, service_name):
+            if state:
                 states.append(state)
-        return _newest(states, service_name)
+        return _newest(states, service_name, lambda s: self.check_master_state(s, service_name))
 
 
 class AsyncEpochSentinel(AsyncSentinel):
@@ -170,9 +180,9 @@ class AsyncEpochSentinel(AsyncSentinel):
                 state = cast(dict[str, Any], await sentinel.sentinel_master(service_name))
             except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError):
                 continue
-            if state and self.check_master_state(state, service_name):
+            if state:
                 states.append(state)
-        return _newest(states, service_name)
+        return _newest(states, service_name, lambda s: self.check_master_state(s, service_name))
 
 
 class FollowingPool(SentinelConnectionPool):

@@ -22,7 +22,7 @@ from schemas.config import Settings
 from schemas.connection import connect, replicas_to_wait, sentinel_address
 from schemas.keys import GROUP, Keys
 from schemas.messages import ResultChunk
-from schemas.sentinel import MasterNotFoundError, _newest, still_primary
+from schemas.sentinel import EpochSentinel, MasterNotFoundError, _newest, still_primary
 from tests.helpers import (
     TIE_TOLERANCE,
     check_stream,
@@ -247,19 +247,34 @@ def test_an_entry_is_settled_only_where_its_final_chunk_is(redis_url: str) -> No
     assert client.xlen(stream) == 0 and client.xpending(stream, GROUP)["pending"] == 0
 
 
-def test_no_primary_is_named_while_only_the_failover_leader_speaks_for_the_new_epoch(
-    sentinels: SentinelDeployment,
-) -> None:
-    # what the Sentinels answer now, then the moment in a failover after the promotion when
-    # a paused old primary answers again: its leader names the old primary under the new
-    # epoch until it ends, a Sentinel not yet told names it under the old one
+def test_no_primary_is_named_while_a_failover_runs(sentinels: SentinelDeployment) -> None:
+    # what the Sentinels answer now, then the moments of a failover when a paused old
+    # primary answers again: its leader raises the epoch at the promotion but marks the old
+    # primary down (redis-py's check rejects that answer) and names it until the failover
+    # ends; a Sentinel not yet told names it under the old epoch, no longer down
     states = [redis.Redis(port=p).sentinel_master(SERVICE) for p in sentinels.sentinel_ports]
+    usable = EpochSentinel([]).check_master_state
     old = (states[0]["ip"], int(states[0]["port"]))
-    assert _newest(states, SERVICE) == old
+
+    def newest(*answers: dict[str, object]) -> tuple[str, int]:
+        return _newest(list(answers), SERVICE, lambda s: usable(s, SERVICE))
+
+    assert newest(*states) == old
     epoch = int(states[0]["config-epoch"])
-    leader = states[0] | {"config-epoch": epoch + 1, "flags": {"master", "failover_in_progress"}}
+    running = {"master", "s_down", "o_down", "failover_in_progress"}
+    leader = states[0] | {"config-epoch": epoch + 1, "flags": running}
+    leader |= {"is_sdown": True, "is_odown": True}
+    assert not usable(leader, SERVICE)
     behind = states[1] | {"config-epoch": epoch}
     with pytest.raises(MasterNotFoundError, match="failover"):
-        _newest([leader, behind], SERVICE)
+        newest(leader, behind)
     told = states[2] | {"config-epoch": epoch + 1, "ip": "127.0.0.1", "port": 1}
-    assert _newest([leader, behind, told], SERVICE) == ("127.0.0.1", 1)
+    with pytest.raises(MasterNotFoundError, match="failover"):
+        newest(leader, behind, told)
+    # an answer rejected as down still counts for the newest epoch
+    down = states[0] | {"config-epoch": epoch + 1, "flags": {"master", "s_down", "o_down"}}
+    down |= {"is_sdown": True, "is_odown": True}
+    with pytest.raises(MasterNotFoundError, match="newest epoch"):
+        newest(down, behind)
+    ended = states[0] | {"config-epoch": epoch + 1, "ip": "127.0.0.1", "port": 1}
+    assert newest(ended, behind, told) == ("127.0.0.1", 1)
