@@ -63,6 +63,7 @@ class RankRegistry:
         self.retired: set[str] = set()
         self.vocab_size = 0
         self.packs: dict[int, bool] = {}  # rank -> it runs packed prefill launches
+        self.mixes: dict[int, bool] = {}  # rank -> its decode rows may ride in them
         self.prefix: dict[int, bool] = {}  # rank -> its state can copy a cached prefix
         self.kv_blocks: dict[int, int] = {}  # rank -> its cache blocks (0: slots reserve)
         self.kv_marks: dict[int, int] = {}  # rank -> marks of state outside its blocks
@@ -99,6 +100,7 @@ class RankRegistry:
                 self.incarnations[rank] = incarnation
                 self.vocab_size = int(_field(info, RankField.VOCAB_SIZE, b"0"))
                 self.packs[rank] = _field(info, RankField.PACKS, b"0") == b"1"
+                self.mixes[rank] = _field(info, RankField.MIXES, b"0") == b"1"
                 self.prefix[rank] = _field(info, RankField.PREFIX, b"0") == b"1"
                 self.kv_blocks[rank] = int(_field(info, RankField.KV_BLOCKS, b"0"))
                 self.kv_marks[rank] = int(_field(info, RankField.KV_MARKS, b"0"))

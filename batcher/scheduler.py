@@ -28,7 +28,7 @@ from batcher.fairness import (
 )
 from batcher.placement import boundary_mark, grow, held_by, place, ranks_for, victim_order
 from batcher.prefix import PrefixIndex
-from schemas.control import PREEMPTED, PrefillChunk
+from schemas.control import DECODE_ROW, PREEMPTED, PrefillChunk
 from schemas.keys import DEFAULT_TENANT
 
 _TENANT = attrgetter("tenant")
@@ -48,6 +48,9 @@ class PlannerConfig:
     preempt_margin: float | None = None  # None: never preempt
     pack_prefill: bool = False  # several requests' chunks share a prefill launch
     prefill_segments: int = 8  # requests in one packed prefill launch, at most
+    # a rank's decode micro-batch rides in the room its packed prefill launch leaves (its
+    # ranks give a row the same bits either way); never with MTP or in lockstep
+    mix_decode: bool = False
     # steps a rank's decode rows may wait while its prefill backlog drains (0: every step)
     decode_stall_steps: int = 0
     # tenants' weights and caps (batcher/fairness.py); a tenant not named: weight 1, no cap
@@ -312,6 +315,9 @@ def plan_step(state: PoolState) -> StepPlan:
     state.stops = []
     plan.decode_launches = _plan_decode(decoding, state.config, lockstep_ranks=by_rank)
     plan.prefill = _plan_prefill(by_rank, state)
+    config = state.config
+    if config.mix_decode and config.pack_prefill and not (config.mtp or config.lockstep):
+        _ride(plan, config)
     return plan
 
 
@@ -596,6 +602,27 @@ def _plan_decode(
             for rank in lockstep_ranks:
                 launch.setdefault(rank, [])
     return launches
+
+
+def _ride(plan: StepPlan, config: PlannerConfig) -> None:
+    """Each of a rank's prefill launches takes one of its decode micro-batches, smallest
+    first, where the tokens it leaves free hold every row: its rows become one-token
+    segments (`DECODE_ROW`) and the decode launch is not run. The rows are planned as
+    before (their tokens counted, their blocks grown); only where they run moves."""
+    for rank, launches in plan.prefill.items():
+        for launch in launches:
+            room = config.prefill_chunk - sum(chunk.num_tokens for chunk in launch)
+            fits = [
+                k
+                for k, decode in enumerate(plan.decode_launches)
+                if 0 < len(decode.get(rank, ())) <= room
+            ]
+            if not fits:
+                continue
+            k = min(fits, key=lambda k: len(plan.decode_launches[k][rank]))
+            rows = plan.decode_launches[k].pop(rank)
+            launch += [PrefillChunk(s.slot, DECODE_ROW, 1, s.request_id) for s in rows]
+    plan.decode_launches = [decode for decode in plan.decode_launches if decode]
 
 
 def _plan_prefill(

@@ -357,6 +357,7 @@ class Batcher:
         if changes.joined:
             ranks = self.state.ranks | set(changes.joined)
             packs = all(self.registry.packs.get(r, False) for r in ranks)
+            mixes = all(self.registry.mixes.get(r, False) for r in ranks)
             prefix = all(self.registry.prefix.get(r, False) for r in ranks)
             paged = self.settings.blocks and all(
                 self.registry.kv_blocks.get(r, 0) > 0 for r in ranks
@@ -366,6 +367,7 @@ class Batcher:
             self.state.config = replace(
                 self.state.config,
                 pack_prefill=self.settings.pack_prefill and packs,
+                mix_decode=self.settings.pack_prefill and self.settings.mix_decode and mixes,
                 prefix_caching=self.settings.prefix_caching and prefix,
                 paged=paged,
             )

@@ -26,7 +26,7 @@ from npu_worker.mtp import Acceptance, accept_drafts
 from npu_worker.output.records import StepRecord, TokenRow
 from npu_worker.runner import LaunchRunner
 from npu_worker.sampler import SamplingTable, sample, token_logprobs
-from schemas.control import NewRequest, PrefillChunk, RankStepPlan
+from schemas.control import DECODE_ROW, NewRequest, PrefillChunk, RankStepPlan
 
 log = logging.getLogger("npu_pool.worker")
 
@@ -227,32 +227,39 @@ class RankEngine:
             self._sample(states, logits, masks)
 
     def _prefill(self, launch: list[PrefillChunk], record: StepRecord) -> None:
-        """One prefill launch: one request's chunk, or (packed) several requests' segments.
-        A segment that completes its prompt samples the request's first token."""
-        record.counts.num_prefill_launches += 1
+        """One prefill launch: one request's chunk, or (packed) several requests' segments,
+        and the decode rows riding in it (`DECODE_ROW`: the request's last token at its
+        position). A segment that completes its prompt samples the request's first token, a
+        decode row its next one."""
+        counts = record.counts
+        counts.num_prefill_launches += 1
         live = [
-            (chunk, state)
+            (_decode_row(state) if chunk.start == DECODE_ROW else chunk, state)
             for chunk in launch
             if (state := self.slots.get(chunk.slot)) is not None
             and state.finish is None
             and chunk.request_id in ("", state.request_id)  # "": a plan that names none
+            and (chunk.start != DECODE_ROW or state.decoding)
         ]
         if not live:
             if not launch or self.lockstep:  # every rank runs the same launches
                 self.runner.dummy_prefill()
             return
-        record.counts.num_prefill_tokens += sum(chunk.num_tokens for chunk, _ in live)
+        rows = sum(state.decoding for _, state in live)
+        counts.num_decode_rows += rows
+        counts.num_prefill_tokens += sum(chunk.num_tokens for chunk, _ in live) - rows
         chunks = [chunk for chunk, _ in live]
-        out = self.runner.prefill(
-            chunks, [s.token_ids[c.start : c.start + c.num_tokens] for c, s in live]
-        )
         finals = [
             (j, s)
             for j, (c, s) in enumerate(live)
             if c.start + c.num_tokens >= s.num_context_tokens
         ]
+        masks = self._masks_soon([s for _, s in finals])  # computed while the launch runs
+        out = self.runner.prefill(
+            chunks, [s.token_ids[c.start : c.start + c.num_tokens] for c, s in live]
+        )
         if finals:
-            self._sample([s for _, s in finals], out.logits[0, [j for j, _ in finals]])
+            self._sample([s for _, s in finals], out.logits[0, [j for j, _ in finals]], masks)
         if self.runner.mtp:  # also for requests that just ended: the launches stay the same
             self._commit_sampled()  # the drafts read the sampled first tokens
             next_ids = [
@@ -507,6 +514,12 @@ class RankEngine:
         state.finish = "error"
         state.error = f"{type(exc).__name__}: {exc}"
         self.touched[state.slot] = state
+
+
+def _decode_row(state: SlotState) -> PrefillChunk:
+    """A decode row as a one-token segment: the request's last token, at its position."""
+    position = len(state.token_ids) - 1
+    return PrefillChunk(state.slot, position, 1, state.request_id)
 
 
 def _settled(masks: Future[torch.Tensor] | None) -> None:

@@ -213,6 +213,7 @@ class Worker:
             mapping={
                 RankField.STATE: RankState.WARMING.value,
                 RankField.PACKS: int(runner.packs),
+                RankField.MIXES: int(runner.mixes),
                 RankField.PREFIX: int(runner.prefix_cacheable),
                 RankField.KV_BLOCKS: runner.kv_blocks,
                 RankField.KV_MARKS: runner.kv_marks,

@@ -75,6 +75,9 @@ class LaunchRunner:
     ) -> None:
         self.mtp = model.mtp is not None
         self.model_packs = model.packs
+        # where its kit keeps rows apart, a decode row is a one-token segment's bits
+        self.model_decode_rows_pack = model.decode_rows_pack
+        self.kit = model.kit
         # what this rank runs, as it registers it: verify launches only with an MTP module
         self.shapes = replace(shapes, mtp=self.mtp)
         self.prefill_segments = shapes.prefill_segments  # packed launches: segments, at most
@@ -135,6 +138,20 @@ class LaunchRunner:
     def packs(self) -> bool:
         """True when prefill launches may carry several requests' segments."""
         return self.backend.packs and self.model_packs
+
+    @property
+    def mixes(self) -> bool:
+        """True when a decode row may ride in a packed prefill launch as a one-token segment
+        and get the bits a decode launch gives it: an eager backend whose kit's products
+        keep rows apart, a model whose decode rows and prefill tokens take the same layers,
+        and no MTP (a verify row is two tokens and a draft)."""
+        return (
+            self.packs
+            and not self.mtp
+            and self.backend.reads_in_place
+            and bool(getattr(self.kit, "rows_apart", False))
+            and self.model_decode_rows_pack
+        )
 
     def spans(self) -> list[int]:
         """Every cache span a launch may read: the captured shapes of graph backends."""

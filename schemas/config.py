@@ -97,6 +97,12 @@ class Settings(BaseSettings):
     prefill_segments: int = Field(
         default=8, ge=1, le=64, description="prompts in one packed prefill launch, at most"
     )
+    mix_decode: bool = Field(
+        default=True,
+        description="a rank's decode micro-batch rides in the spare room of its packed "
+        "prefill launch, a launch fewer (only where its launches give a row the same bits "
+        "either way: the CPU kernels' own products, no MTP, no lockstep)",
+    )
     prefix_caching: bool = Field(
         default=True,
         description="a prompt that starts with full blocks a slot of its rank holds skips "

@@ -72,10 +72,15 @@ class NewRequest:
         return cls(row[0], row[1], row[2], row[3], sampling, *row[5:])
 
 
+# PrefillChunk.start of a decode row riding in a packed prefill launch (one token)
+DECODE_ROW = -1
+
+
 @dataclass(slots=True)
 class PrefillChunk:
     """Prefill tokens [start, start + num_tokens) of the request in `slot`: one segment of
-    a prefill launch."""
+    a prefill launch. A segment starting at `DECODE_ROW` is a decode row riding in the
+    launch: its rank feeds the request's last token at its own position."""
 
     slot: int
     start: int

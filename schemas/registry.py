@@ -56,6 +56,7 @@ class RankField:
     REQUESTS = "requests"  # ids of the requests it holds, comma-separated (for operators)
     VOCAB_SIZE = "vocab_size"
     PACKS = "packs"  # "1": it runs packed prefill launches
+    MIXES = "mixes"  # "1": its decode rows may ride in packed prefill launches (same bits)
     PREFIX = "prefix"  # "1": its model state can copy a cached prefix between slots
     SHAPES = "shapes"  # LaunchShapes as JSON
     KV_BLOCKS = "kv_blocks"  # cache blocks it holds (0: a slot reserves every position)

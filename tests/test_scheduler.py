@@ -18,7 +18,7 @@ from batcher.scheduler import (
     preempt_threshold,
     stop,
 )
-from schemas.control import PrefillChunk
+from schemas.control import DECODE_ROW, PrefillChunk
 
 pytestmark = pytest.mark.fast
 
@@ -337,6 +337,7 @@ def test_lockstep_pads_every_rank_to_the_same_number_of_launches() -> None:
             "lockstep",
             "preempt_margin",
             "pack_prefill",
+            "mix_decode",
             "decode_stall_steps",
             "tenants",
             "prefix_caching",
@@ -416,3 +417,49 @@ def test_a_burst_of_a_lower_priority_class_never_holds_back_a_higher_ones_decode
     row.priority = 2
     plan = plan_step(state)
     assert plan.decode_launches == [] and len(plan.prefill[0]) == 4
+
+
+def make_riding_pool(**overrides: float | bool | None) -> PoolState:
+    """One packed rank: three decoding rows (micro-batches of two) and a 200-token prompt,
+    whose second launch leaves 56 tokens free."""
+    values: dict[str, float | bool | None] = dict(
+        decode_batch=2, prefill_slots=2, pack_prefill=True, mix_decode=True
+    )
+    state = make_state(**{**values, **overrides})
+    for slot, name in enumerate(["d0", "d1", "d2"]):
+        place(state, name, rank=0, slot=slot)
+    prompt = Sequence("p0", 200, 16, order=3, rank=0, slot=3)
+    state.free_slots[0].remove(3)
+    state.add_running(prompt)
+    return state
+
+
+def test_a_decode_micro_batch_rides_in_the_room_a_packed_prefill_launch_leaves() -> None:
+    state = make_riding_pool()
+    plan = plan_step(state)
+    assert launch_ids(plan) == [{0: ["d0", "d1"]}]  # the smaller micro-batch rode
+    assert plan.prefill == {
+        0: [
+            [PrefillChunk(3, 0, 128, "p0")],
+            [PrefillChunk(3, 128, 72, "p0"), PrefillChunk(2, DECODE_ROW, 1, "d2")],
+        ]
+    }
+    # every row is planned once, wherever it runs
+    assert [state.running[n].num_planned_tokens for n in ("d0", "d1", "d2", "p0")] == [1, 1, 1, 1]
+
+
+def test_a_micro_batch_rides_only_where_all_its_rows_fit() -> None:
+    state = make_riding_pool(decode_batch=3)
+    state.running["p0"].num_prompt_tokens = 128 + 126  # two tokens left free: too few
+    plan = plan_step(state)
+    assert launch_ids(plan) == [{0: ["d0", "d1", "d2"]}]
+    assert all(c.start != DECODE_ROW for launch in plan.prefill[0] for c in launch)
+
+
+@pytest.mark.parametrize(
+    "overrides", [{"mix_decode": False}, {"mtp": True}, {"lockstep": True}, {"pack_prefill": False}]
+)
+def test_rows_ride_only_where_the_pool_mixes(overrides: dict[str, bool]) -> None:
+    plan = plan_step(make_riding_pool(**overrides))
+    assert launch_ids(plan) == [{0: ["d0", "d1"]}, {0: ["d2"]}]
+    assert all(c.start != DECODE_ROW for launch in plan.prefill[0] for c in launch)

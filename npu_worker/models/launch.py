@@ -304,6 +304,9 @@ class LaunchModel(nn.Module, Generic[State]):
     mtp: nn.Module | None
     kit: Kit
     packs = True  # its prefill launches may carry several requests' segments
+    # a decode row and a packed prefill token take the same layers (attention included),
+    # so where the kit's products keep rows apart a decode row may ride in a prefill launch
+    decode_rows_pack = False
     head_key = "lm_head.weight"  # the checkpoint's output head
 
     def new_state(

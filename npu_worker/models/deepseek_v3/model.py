@@ -238,6 +238,8 @@ class DeepseekV3CausalLM(LaunchModel[KVCache], ExpertModel):
     """Decoder + LM head (+ the MTP layer); each call runs one fixed-shape launch. Its
     layers come from `kit` (plain torch layers by default)."""
 
+    decode_rows_pack = True
+
     def __init__(
         self,
         config: DeepseekV3Config,

@@ -123,6 +123,8 @@ class CausalLM(LaunchModel[KVCache]):
     """Decoder + LM head (+ the optional MTP module); each call runs one fixed-shape launch.
     Its layers come from `kit` (plain torch layers by default)."""
 
+    decode_rows_pack = True
+
     def __init__(
         self,
         config: LlamaConfig,
