@@ -314,9 +314,10 @@ def plan_step(state: PoolState) -> StepPlan:
     plan.stops = state.stops + [PlannedStop(seq, PREEMPTED) for seq in plan.preempted]
     state.stops = []
     plan.decode_launches = _plan_decode(decoding, state.config, lockstep_ranks=by_rank)
-    plan.prefill = _plan_prefill(by_rank, state)
     config = state.config
-    if config.mix_decode and config.pack_prefill and not (config.mtp or config.lockstep):
+    mixing = config.mix_decode and config.pack_prefill and not (config.mtp or config.lockstep)
+    plan.prefill = _plan_prefill(by_rank, state, _rooms(plan, config) if mixing else {})
+    if mixing:
         _ride(plan, config)
     return plan
 
@@ -604,6 +605,18 @@ def _plan_decode(
     return launches
 
 
+def _rooms(plan: StepPlan, config: PlannerConfig) -> dict[int, list[int]]:
+    """Per rank, the tokens its first prefill launches leave for its decode micro-batches
+    to ride in, smallest first: a launch's prompt tokens and the rows it carries take one
+    pass over the weights, where a decode launch of its own would take another."""
+    sizes: dict[int, list[int]] = {}
+    for decode in plan.decode_launches:
+        for rank, rows in decode.items():
+            if 0 < len(rows) < config.prefill_chunk:
+                sizes.setdefault(rank, []).append(len(rows))
+    return {rank: sorted(rows) for rank, rows in sizes.items()}
+
+
 def _ride(plan: StepPlan, config: PlannerConfig) -> None:
     """Each of a rank's prefill launches takes one of its decode micro-batches, smallest
     first, where the tokens it leaves free hold every row: its rows become one-token
@@ -626,13 +639,16 @@ def _ride(plan: StepPlan, config: PlannerConfig) -> None:
 
 
 def _plan_prefill(
-    by_rank: dict[int, list[Sequence]], state: PoolState
+    by_rank: dict[int, list[Sequence]],
+    state: PoolState,
+    rooms: dict[int, list[int]],
 ) -> dict[int, list[list[PrefillChunk]]]:
     """Up to `prefill_slots` launches per rank of up to `prefill_chunk` tokens each, filled
     most urgent request first (several tenants' prompts in their fair order: prefill
     tokens shared by weight, `fairness.prefill_order`). Packed, a launch holds segments of
     several requests back to back (a long prompt's last part shares its launch with the
-    next prompts); unpacked, one request's chunk. An empty launch is a lockstep dummy."""
+    next prompts); unpacked, one request's chunk. An empty launch is a lockstep dummy. A
+    rank's k-th launch leaves `rooms[rank][k]` tokens free for decode rows to ride in."""
     config = state.config
     prefill: dict[int, list[list[PrefillChunk]]] = {}
     per_launch = config.prefill_segments if config.pack_prefill else 1
@@ -647,8 +663,10 @@ def _plan_prefill(
             most = config.prefill_chunk * config.prefill_slots
             pending = prefill_order(pending, served, config.tenants, most)
         launches: list[list[PrefillChunk]] = []
+        left = rooms.get(rank, [])  # tokens kept for decode rows riding in each launch
         while pending and len(launches) < config.prefill_slots:
-            room, launch = config.prefill_chunk, list[PrefillChunk]()
+            kept = left[len(launches)] if len(launches) < len(left) else 0
+            room, launch = config.prefill_chunk - kept, list[PrefillChunk]()
             cut: list[Sequence] = []  # segments cut at a marked boundary: on in the next launch
             while pending and room and len(launch) < per_launch:
                 seq = pending[0]

@@ -420,8 +420,7 @@ def test_a_burst_of_a_lower_priority_class_never_holds_back_a_higher_ones_decode
 
 
 def make_riding_pool(**overrides: float | bool | None) -> PoolState:
-    """One packed rank: three decoding rows (micro-batches of two) and a 200-token prompt,
-    whose second launch leaves 56 tokens free."""
+    """One packed rank: three decoding rows (micro-batches of two) and a 200-token prompt."""
     values: dict[str, float | bool | None] = dict(
         decode_batch=2, prefill_slots=2, pack_prefill=True, mix_decode=True
     )
@@ -434,24 +433,35 @@ def make_riding_pool(**overrides: float | bool | None) -> PoolState:
     return state
 
 
-def test_a_decode_micro_batch_rides_in_the_room_a_packed_prefill_launch_leaves() -> None:
+def test_decode_micro_batches_ride_in_room_their_prefill_launches_keep() -> None:
     state = make_riding_pool()
     plan = plan_step(state)
-    assert launch_ids(plan) == [{0: ["d0", "d1"]}]  # the smaller micro-batch rode
+    assert launch_ids(plan) == []  # both micro-batches rode: no decode launch
     assert plan.prefill == {
-        0: [
-            [PrefillChunk(3, 0, 128, "p0")],
-            [PrefillChunk(3, 128, 72, "p0"), PrefillChunk(2, DECODE_ROW, 1, "d2")],
+        0: [  # each launch keeps room for one micro-batch, the smallest first
+            [PrefillChunk(3, 0, 127, "p0"), PrefillChunk(2, DECODE_ROW, 1, "d2")],
+            [
+                PrefillChunk(3, 127, 73, "p0"),
+                PrefillChunk(0, DECODE_ROW, 1, "d0"),
+                PrefillChunk(1, DECODE_ROW, 1, "d1"),
+            ],
         ]
     }
     # every row is planned once, wherever it runs
     assert [state.running[n].num_planned_tokens for n in ("d0", "d1", "d2", "p0")] == [1, 1, 1, 1]
 
 
-def test_a_micro_batch_rides_only_where_all_its_rows_fit() -> None:
-    state = make_riding_pool(decode_batch=3)
-    state.running["p0"].num_prompt_tokens = 128 + 126  # two tokens left free: too few
+def test_micro_batches_beyond_the_prefill_launches_keep_their_decode_launches() -> None:
+    state = make_riding_pool(prefill_slots=1)
     plan = plan_step(state)
+    assert launch_ids(plan) == [{0: ["d0", "d1"]}]
+    assert plan.prefill == {
+        0: [[PrefillChunk(3, 0, 127, "p0"), PrefillChunk(2, DECODE_ROW, 1, "d2")]]
+    }
+
+
+def test_a_micro_batch_as_large_as_a_launch_never_rides() -> None:
+    plan = plan_step(make_riding_pool(decode_batch=3, prefill_chunk=3))
     assert launch_ids(plan) == [{0: ["d0", "d1", "d2"]}]
     assert all(c.start != DECODE_ROW for launch in plan.prefill[0] for c in launch)
 
