@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -51,6 +52,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if OWN_HOME is not None:
         shutil.rmtree(OWN_HOME, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def kernels() -> Any:
+    """The CPU kernels' library, built for this machine (skipped without a C compiler)."""
+    from npu_worker.kernels.cpu.library import load_cpu_kernels
+
+    built = load_cpu_kernels()
+    if built is None:
+        pytest.skip("no C compiler on this machine")
+    return built
 
 
 @pytest.fixture(scope="session")

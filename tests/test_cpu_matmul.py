@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from npu_worker.kernels.cpu.layers import CpuKit
-from npu_worker.kernels.cpu.library import CpuKernels, has_kernel_linear, load_cpu_kernels
+from npu_worker.kernels.cpu.library import CpuKernels, has_kernel_linear
 from npu_worker.kernels.cpu.products import (
     KernelProduct,
     Product,
@@ -35,14 +35,6 @@ pytestmark = [
     ),
 ]
 MAX_KV_LEN = 320
-
-
-@pytest.fixture(scope="module")
-def kernels() -> CpuKernels:
-    built = load_cpu_kernels()
-    if built is None:
-        pytest.skip("no C compiler on this machine")
-    return built
 
 
 def float64_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> Any:

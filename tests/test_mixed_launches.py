@@ -17,7 +17,7 @@ from batcher.dispatch import rank_plans
 from batcher.intake import Tracked
 from batcher.scheduler import PlannerConfig, PoolState, Sequence, finish, plan_step
 from npu_worker.kernels.cpu.layers import CpuKit
-from npu_worker.kernels.cpu.library import CpuKernels, load_cpu_kernels
+from npu_worker.kernels.cpu.library import CpuKernels
 from npu_worker.runner import LaunchRunner
 from npu_worker.weights.loader import load_model
 from npu_worker.weights.presets import resolve_model_dir
@@ -36,14 +36,6 @@ SETTINGS = Settings(
     prefill_segments=4,
 )
 MAX_TOKENS = 10
-
-
-@pytest.fixture(scope="module")
-def kernels() -> CpuKernels:
-    built = load_cpu_kernels()
-    if built is None:
-        pytest.skip("no C compiler on this machine")
-    return built
 
 
 def runner_of(path: Path, kernels: CpuKernels, product: bool | Literal["tiles"]) -> Any:
