@@ -28,7 +28,8 @@ from batcher.fairness import (
 )
 from batcher.placement import boundary_mark, grow, held_by, place, ranks_for, victim_order
 from batcher.prefix import PrefixIndex
-from schemas.control import DECODE_ROW, PREEMPTED, PrefillChunk
+from batcher.riding import ride, rooms_to_ride
+from schemas.control import PREEMPTED, PrefillChunk
 from schemas.keys import DEFAULT_TENANT
 
 _TENANT = attrgetter("tenant")
@@ -316,9 +317,10 @@ def plan_step(state: PoolState) -> StepPlan:
     plan.decode_launches = _plan_decode(decoding, state.config, lockstep_ranks=by_rank)
     config = state.config
     mixing = config.mix_decode and config.pack_prefill and not (config.mtp or config.lockstep)
-    plan.prefill = _plan_prefill(by_rank, state, _rooms(plan, config) if mixing else {})
+    rooms = rooms_to_ride(plan.decode_launches, config.prefill_chunk) if mixing else {}
+    plan.prefill = _plan_prefill(by_rank, state, rooms)
     if mixing:
-        _ride(plan, config)
+        plan.decode_launches = ride(plan.decode_launches, plan.prefill, config.prefill_chunk)
     return plan
 
 
@@ -603,39 +605,6 @@ def _plan_decode(
             for rank in lockstep_ranks:
                 launch.setdefault(rank, [])
     return launches
-
-
-def _rooms(plan: StepPlan, config: PlannerConfig) -> dict[int, list[int]]:
-    """Per rank, the tokens its first prefill launches leave for its decode micro-batches
-    to ride in, smallest first: a launch's prompt tokens and the rows it carries take one
-    pass over the weights, where a decode launch of its own would take another."""
-    sizes: dict[int, list[int]] = {}
-    for decode in plan.decode_launches:
-        for rank, rows in decode.items():
-            if 0 < len(rows) < config.prefill_chunk:
-                sizes.setdefault(rank, []).append(len(rows))
-    return {rank: sorted(rows) for rank, rows in sizes.items()}
-
-
-def _ride(plan: StepPlan, config: PlannerConfig) -> None:
-    """Each of a rank's prefill launches takes one of its decode micro-batches, smallest
-    first, where the tokens it leaves free hold every row: its rows become one-token
-    segments (`DECODE_ROW`) and the decode launch is not run. The rows are planned as
-    before (their tokens counted, their blocks grown); only where they run moves."""
-    for rank, launches in plan.prefill.items():
-        for launch in launches:
-            room = config.prefill_chunk - sum(chunk.num_tokens for chunk in launch)
-            fits = [
-                k
-                for k, decode in enumerate(plan.decode_launches)
-                if 0 < len(decode.get(rank, ())) <= room
-            ]
-            if not fits:
-                continue
-            k = min(fits, key=lambda k: len(plan.decode_launches[k][rank]))
-            rows = plan.decode_launches[k].pop(rank)
-            launch += [PrefillChunk(s.slot, DECODE_ROW, 1, s.request_id) for s in rows]
-    plan.decode_launches = [decode for decode in plan.decode_launches if decode]
 
 
 def _plan_prefill(
