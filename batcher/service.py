@@ -367,7 +367,7 @@ class Batcher:
             self.state.config = replace(
                 self.state.config,
                 pack_prefill=self.settings.pack_prefill and packs,
-                mix_decode=self.settings.pack_prefill and self.settings.mix_decode and mixes,
+                mix_decode=self.settings.mix_decode and mixes,  # the planner packs first
                 prefix_caching=self.settings.prefix_caching and prefix,
                 paged=paged,
             )
