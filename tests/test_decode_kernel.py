@@ -249,6 +249,44 @@ def test_decode_rows_sharing_a_cached_prefix_have_the_bits_each_has_alone(
     assert_each_row_as_alone(kernel, together, q, k, v, position, span, table)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dim,block", [(64, 32), (64, 40), (128, 24)])
+def test_tokens_of_requests_sharing_some_blocks_have_the_bits_each_has_alone(
+    kernel: CpuKernels, threads: int, dim: int, block: int
+) -> None:
+    """A launch's runs of tokens reading the same blocks have their values made into tile
+    operands once per thread (on AMX), kept from one run to the next as far as the blocks
+    match: tokens of a request, then of one sharing only its first blocks, then of one
+    sharing none, then of the first again. Each token has the bits it gets alone, and none
+    reads a block past its keys (those hold NaN here)."""
+    heads, kv_heads, blocks = 9, 3, 16
+    generator = torch.Generator().manual_seed(dim + block + threads)
+    k = torch.randn(blocks, kv_heads, block, dim, generator=generator).to(torch.bfloat16)
+    v = torch.randn(blocks, kv_heads, block, dim, generator=generator).to(torch.bfloat16)
+    k[-1], v[-1] = float("nan"), float("nan")  # what tables name past a row's keys
+    width = 6
+    first, second, third = [0, 1, 2, 3, 4], [0, 1, 7, 8, 9], [10, 11, 12, 13, 14]
+    runs = [(first, 4 * block + 3, 9), (second, 3 * block + 30, 11), (third, 2 * block, 7)]
+    runs.append((first, 4 * block + 12, 6))  # the first request's later tokens
+    tables, positions = [], []
+    for table, start, count in runs:  # a request's tokens: its table, as far as they reach
+        held = (start + count - 1) // block + 1
+        for position in range(start, start + count):
+            tables.append((table[:held] + [blocks - 1] * width)[:width])
+            positions.append(position)
+    table, position = torch.tensor(tables), torch.tensor(positions)[:, None]
+    q = torch.randn(len(tables), 1, heads, dim, generator=generator).to(torch.bfloat16)
+    slots, span = torch.zeros(len(tables), dtype=torch.long), width * block
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        together = kernel(q, k, v, slots, position, span, dim**-0.5, table)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.isfinite(together.float()).all()
+    assert_each_row_as_alone(kernel, together, q, k, v, position, span, table)
+
+
 SETTINGS = Settings(
     model="tiny", device="cpu", max_model_len=512, kv_slots_per_rank=8, decode_batch=4
 )

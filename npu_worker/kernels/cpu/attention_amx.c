@@ -6,9 +6,12 @@
    tile products add 32 keys' values, weighted by their numerators split in two bfloat16s
    (a high part and the rest, so about 16 bits of each where a single bfloat16 keeps 8), to
    16 queries' sums of 16 channels; each sum runs over its query's keys in order, 32 at a
-   time, and the keys of other queries in the tile add exact zeros. Decode and prefill rows both come here, so a token's bits are the same
-   whichever launch computes it. */
+   time, and the keys of other queries in the tile add exact zeros. Values are made into the
+   products' operands once a thread for every task reading the same blocks (`amx_pack`), the
+   same operands as made for one task alone. Decode and prefill rows both come here, so a
+   token's bits are the same whichever launch computes it. */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
@@ -286,6 +289,83 @@ static void value_pairs(const char *const *v, int t0, int keys, int block, size_
     }
 }
 
+/* Values packed as tile operands once for every task of a thread that reads the same
+   blocks: a prefill launch's tokens of one request, or decode rows sharing a cached
+   prefix, each task one KV head of a few of them, would otherwise repack the same keys'
+   values for each. One record a KV head: the blocks its packed keys came from and their
+   operands, 32 keys (wholly present) at a time; a record is good for one call, while the
+   cache is not written. */
+struct amx_pack {
+    const char **blocks; /* the value blocks the packed keys lie in */
+    uint16_t *pairs;     /* per 32 keys and 64 channels, `value_pairs`'s 2048 bfloat16s */
+    int num_blocks, keys;
+};
+
+void amx_packs_free(void *handle);
+
+struct amx_packs {
+    int heads, capacity, most_blocks; /* capacity: keys a record holds */
+    struct amx_pack pack[];
+};
+
+/* records for `heads` KV heads of up to `keys` keys (of up to `blocks` blocks) of `vdim`
+   channels each; NULL when they would take more than `budget` bytes or memory is short */
+void *amx_packs_new(int heads, int keys, int blocks, int vdim, size_t budget) {
+    int capacity = keys - keys % 32;
+    size_t per_head = (size_t)(capacity / 32) * ((vdim + 63) / 64) * 2048 * sizeof(uint16_t);
+    if (capacity <= 0 || per_head * heads > budget) return NULL;
+    struct amx_packs *packs = calloc(1, sizeof(*packs) + heads * sizeof(struct amx_pack));
+    if (!packs) return NULL;
+    packs->heads = heads, packs->capacity = capacity, packs->most_blocks = blocks;
+    for (int h = 0; h < heads; h++) {
+        packs->pack[h].blocks = malloc(blocks * sizeof(char *));
+        packs->pack[h].pairs = malloc(per_head);
+        if (!packs->pack[h].blocks || !packs->pack[h].pairs) {
+            packs->heads = h + 1;
+            amx_packs_free(packs);
+            return NULL;
+        }
+    }
+    return packs;
+}
+
+void amx_packs_free(void *handle) {
+    struct amx_packs *packs = handle;
+    if (!packs) return;
+    for (int h = 0; h < packs->heads; h++) {
+        free(packs->pack[h].blocks);
+        free(packs->pack[h].pairs);
+    }
+    free(packs);
+}
+
+/* Head `head`'s record made to hold the operands of keys 0..wanted-1 of the value table `v`
+   (blocks of `block` keys, rows `v_step` elements apart), 32 keys at a time (a last part
+   of fewer is left to `value_pairs`): what it holds from the same leading blocks is kept,
+   the rest packed. Sets *pairs to its operands; returns how many keys they cover. */
+int amx_pack(void *handle, int head, const char *const *v, int wanted, int block,
+             int64_t v_step, int vdim, const uint16_t **pairs) {
+    struct amx_packs *packs = handle;
+    struct amx_pack *pk = &packs->pack[head];
+    wanted = wanted < packs->capacity ? wanted : packs->capacity;
+    wanted -= wanted % 32;
+    int num_blocks = (wanted + block - 1) / block, same = 0;
+    if (num_blocks > packs->most_blocks) return 0;
+    while (same < num_blocks && same < pk->num_blocks && pk->blocks[same] == v[same]) same++;
+    int kept = same * block - same * block % 32; /* 32 keys all in blocks that match */
+    kept = kept < pk->keys ? kept : pk->keys;
+    size_t per_group = (size_t)((vdim + 63) / 64) * 2048;
+    for (int t0 = kept; t0 < wanted; t0 += 32)
+        for (int d0 = 0; d0 < vdim; d0 += 64)
+            value_pairs(v, t0, wanted, block, (size_t)v_step * 2, d0, vdim - d0 >= 64 ? 2 : 1,
+                        pk->pairs + (size_t)(t0 / 32) * per_group + d0 / 64 * 2048);
+    for (int b = same; b < num_blocks; b++) pk->blocks[b] = v[b];
+    pk->num_blocks = num_blocks > same ? num_blocks : same;
+    pk->keys = wanted > kept ? wanted : kept;
+    *pairs = pk->pairs;
+    return pk->keys;
+}
+
 /* Value sums of `nq` (at most 16) queries, queries first.. of a task whose positions each
    have `group` of them (position s = (first + j) / group sees keys 0..limit[s]-1):
    acc[j * vdim + d] = the sum over keys t of p[j][t] * value t's channel d, the numerators p
@@ -297,12 +377,14 @@ static void value_pairs(const char *const *v, int t0, int keys, int block, size_
    every position reads one table; else each its own, the first `common` blocks the same for
    all (32 keys wholly in them one product for every query, else one a position). Keys past
    the tile's (or the position's) last are zeros, whatever the cache holds there. vdim a
-   multiple of 32. Needs `amx_begin` on this thread; pairs holds 2048 bfloat16s, pa 1024, sums
-   1024 floats. */
+   multiple of 32. `packed` (from `amx_pack`) holds the operands of the shared keys' first
+   `packed_keys` as `value_pairs` writes them, 32 keys wholly below the tile's keys read from
+   there. Needs `amx_begin` on this thread; pairs holds 2048 bfloat16s, pa 1024, sums 1024
+   floats. */
 void amx_values(const float *p, int nq, int first, int group, const int64_t *limit,
                 int longest, const char *const *v, int64_t table_step, int common, int block,
                 int64_t v_step, int vdim, float *acc, uint16_t *pairs, uint16_t *pa,
-                float *sums) {
+                float *sums, const uint16_t *packed, int packed_keys) {
     int s0 = first / group, s1 = (first + nq - 1) / group, most = 0;
     for (int s = s0; s <= s1; s++) most = limit[s] > most ? (int)limit[s] : most;
     size_t row_bytes = (size_t)v_step * 2;
@@ -329,11 +411,15 @@ void amx_values(const float *p, int nq, int first, int group, const int64_t *lim
                 }
                 MEMORY_FENCE(); /* the last products have read what these overwrite */
                 numerators(p, j0, j1, t0, keys, longest, pa);
-                value_pairs(table, t0, keys, block, row_bytes, d0, halves, pairs);
+                const uint16_t *operands = pairs;
+                if (shared && t0 + 32 <= keys && t0 + 32 <= packed_keys) /* packed already */
+                    operands = packed + ((size_t)(t0 / 32) * ((vdim + 63) / 64) + d0 / 64) * 2048;
+                else
+                    value_pairs(table, t0, keys, block, row_bytes, d0, halves, pairs);
                 MEMORY_FENCE();
                 _tile_loadd(4, pa, 64);
                 _tile_loadd(7, pa + 512, 64);
-                for (int c = 0; c < tiles; c++) add_values(c, pairs);
+                for (int c = 0; c < tiles; c++) add_values(c, operands);
                 if (shared) break;
             }
         }

@@ -30,7 +30,12 @@ void amx_scores(const uint16_t *qh, int nq, int first, int group, const int64_t 
 void amx_values(const float *p, int nq, int first, int group, const int64_t *limit,
                 int longest, const char *const *v, int64_t table_step, int common, int block,
                 int64_t v_step, int vdim, float *acc, uint16_t *pairs, uint16_t *pa,
-                float *sums);
+                float *sums, const uint16_t *packed, int packed_keys);
+void *amx_packs_new(int heads, int keys, int blocks, int vdim, size_t budget);
+void amx_packs_free(void *handle);
+int amx_pack(void *handle, int head, const char *const *v, int wanted, int block,
+             int64_t v_step, int vdim, const uint16_t **pairs);
+#define PACKED_VALUES_BYTES ((size_t)8 << 20) /* a thread's values packed once for its tasks */
 #endif
 
 #define LANES 16
@@ -94,6 +99,63 @@ static inline float exp_nonpositive(float x) {
     return p * scale;
 }
 
+#ifdef __AVX512F__
+/* `exp_nonpositive` of 16 lanes, each lane by the same operations in the same order (no
+   fused multiply-add where the scalar one has none), so each gives the scalar's bits */
+static inline __m512 exp_nonpositive16(__m512 x) {
+    const __m512 floor = _mm512_set1_ps(-87.0f), shift = _mm512_set1_ps(12582912.0f);
+    x = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, floor, _CMP_GT_OQ), floor, x);
+    __m512 k = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                           shift), shift);
+    __m512 r = _mm512_sub_ps(_mm512_sub_ps(x, _mm512_mul_ps(k, _mm512_set1_ps(0.693145752f))),
+                             _mm512_mul_ps(k, _mm512_set1_ps(1.42860677e-6f)));
+    __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(0.00138888892f), _mm512_set1_ps(0.00833333377f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.0416666679f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.166666672f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    __m512i bits = _mm512_slli_epi32(
+        _mm512_add_epi32(_mm512_cvttps_epi32(k), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+/* softmax numerators of row[0..n) in place, zeros on to `width`; returns their sum: 16
+   lanes at a time, key t in lane t % 16, then one fixed tree of the lanes */
+static float softmax_row(float *row, int n, int width) {
+    float top[LANES], part[LANES];
+    __m512 most16 = _mm512_set1_ps(-INFINITY), sum16 = _mm512_setzero_ps();
+    __m512 tops[4] = {most16, most16, most16, most16}; /* four chains: the maximum is the
+                                                          same whatever the order */
+    int t = 0;
+    for (; t + 4 * LANES <= n; t += 4 * LANES) /* row > top ? row : top, lane by lane */
+        for (int c = 0; c < 4; c++)
+            tops[c] = _mm512_max_ps(_mm512_loadu_ps(row + t + c * LANES), tops[c]);
+    for (; t + LANES <= n; t += LANES) tops[0] = _mm512_max_ps(_mm512_loadu_ps(row + t), tops[0]);
+    most16 = _mm512_max_ps(_mm512_max_ps(tops[0], tops[1]), _mm512_max_ps(tops[2], tops[3]));
+    __mmask16 tail = (__mmask16)((1u << (n - t)) - 1);
+    most16 = _mm512_mask_max_ps(most16, tail, _mm512_maskz_loadu_ps(tail, row + t), most16);
+    _mm512_storeu_ps(top, most16);
+    float most = top[0];
+    for (int l = 1; l < LANES; l++) most = top[l] > most ? top[l] : most;
+    const __m512 m = _mm512_set1_ps(most);
+    for (t = 0; t + LANES <= n; t += LANES) {
+        __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(row + t), m));
+        _mm512_storeu_ps(row + t, e);
+        sum16 = _mm512_add_ps(sum16, e);
+    }
+    if (t < n) {
+        __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + t), m));
+        _mm512_mask_storeu_ps(row + t, tail, e);
+        sum16 = _mm512_mask_add_ps(sum16, tail, sum16, e);
+    }
+    for (t = n; t < width; t++) row[t] = 0.0f;
+    _mm512_storeu_ps(part, sum16);
+    for (int w = LANES / 2; w > 0; w /= 2)
+        for (int l = 0; l < w; l++) part[l] += part[l + w];
+    return part[0];
+}
+#else
 /* softmax numerators of row[0..n) in place, zeros on to `width`; returns their sum */
 static float softmax_row(float *row, int n, int width) {
     float top[LANES], part[LANES] = {0};
@@ -113,6 +175,7 @@ static float softmax_row(float *row, int n, int width) {
         for (int l = 0; l < width; l++) part[l] += part[l + width];
     return part[0];
 }
+#endif
 
 #ifdef __AVX512F__
 /* 16 channels of a value row, widened to float32 */
@@ -345,7 +408,8 @@ static void attend_row(const float *q, const uint16_t *qh, int queries, const in
                        int seq, int group, const char *const *k, const char *const *v,
                        int64_t table_step, int common, int block, int64_t k_step,
                        int64_t v_step, int dtype, int dim, int vdim, float scale, char *out,
-                       int64_t out_seq_step, int64_t out_head_step, float *work, int amx) {
+                       int64_t out_seq_step, int64_t out_head_step, float *work, int amx,
+                       void *packs, int head) {
     int longest = 0;
     for (int s = 0; s < seq; s++) if (limit[s] > longest) longest = (int)limit[s];
     size_t elem = dtype == 0 ? 4 : 2;
@@ -354,7 +418,7 @@ static void attend_row(const float *q, const uint16_t *qh, int queries, const in
     float *total = acc + (size_t)queries * vdim;
     int t = 0;
     (void)qh; /* read only where the CPU multiplies bfloat16 pairs */
-    (void)amx;
+    (void)amx, (void)packs, (void)head;
 #ifdef HAVE_AMX_ATTENTION
     if (amx) { /* bfloat16 keys of 32-192 channels: 16 queries a tile product */
         uint32_t *qt = (uint32_t *)(total + queries);
@@ -426,11 +490,16 @@ static void attend_row(const float *q, const uint16_t *qh, int queries, const in
         uint16_t *pairs = (uint16_t *)(total + queries) + 2 * 6 * 256 + 16 * (size_t)dim + 512;
         uint16_t *pa = pairs + 2048;
         float *sums = (float *)(pa + 1024);
+        const uint16_t *packed = NULL;
+        int packed_keys = 0, wanted = longest; /* the keys every position reads alike */
+        if (table_step > 0) wanted = common * block < wanted ? common * block : wanted;
+        if (packs && seq > 1 && wanted >= 32) /* positions alike: likely more tasks' too */
+            packed_keys = amx_pack(packs, head, v, wanted, block, v_step, vdim, &packed);
         for (int i = 0; i < queries; i += 16) {
             int nq = queries - i < 16 ? queries - i : 16;
             amx_values(scores + (size_t)i * longest, nq, i, group, limit, longest, v,
                        table_step, common, block, v_step, vdim, acc + (size_t)i * vdim, pairs,
-                       pa, sums);
+                       pa, sums, packed, packed_keys);
         }
     } else
 #endif
@@ -548,8 +617,11 @@ int decode_attention(const void *q, int64_t q_row, const void *k, const void *v,
         size_t tables_read = (size_t)blocks * (mixed ? longest_run : 1);
         const char **kb = malloc(tables_read * 2 * sizeof(char *)), **vb = kb + tables_read;
         if (!work || !qrow || !qh || !limit || !kb) failed = 1;
+        void *packs = NULL;
 #ifdef HAVE_AMX_ATTENTION
         if (amx) amx_begin();
+        if (amx && vdim % 32 == 0)
+            packs = amx_packs_new(kv_heads, span, blocks, vdim, PACKED_VALUES_BYTES);
 #endif
         #pragma omp for schedule(dynamic, 1)
         for (int task = 0; task < runs * kv_heads; task++) {
@@ -585,10 +657,11 @@ int decode_attention(const void *q, int64_t q_row, const void *k, const void *v,
             char *o = (char *)out + ((size_t)first * heads + h * group) * vdim * elem;
             attend_row(qrow, qh, n * group, limit, n, group, kb, vb, own > 1 ? blocks : 0,
                        common, block, k_pos, v_pos, dtype, dim, vdim, scale, o,
-                       (int64_t)heads * vdim, vdim, work, amx);
+                       (int64_t)heads * vdim, vdim, work, amx, packs, h);
         }
 #ifdef HAVE_AMX_ATTENTION
         if (amx) amx_end();
+        amx_packs_free(packs);
 #endif
         free(kb);
         free(work);
