@@ -17,6 +17,7 @@ from batcher.blocks import BlockPool
 
 if TYPE_CHECKING:
     from batcher.scheduler import PoolState, Sequence, StepPlan
+    from schemas.control import PrefillChunk
 
 
 def victim_order(seq: Sequence) -> tuple[float, int]:
@@ -146,6 +147,34 @@ def place(state: PoolState, seq: Sequence, ranks: list[int]) -> None:
     seq.rank, seq.slot = rank, slot
 
 
+def ranks_in_blocks(state: PoolState, seq: Sequence, ranks: list[int]) -> list[int] | None:
+    """In a cache of blocks with prefix caching, the ranks `place` may put `seq` on, or
+    None when it should wait. A rank reaches the leading prompt blocks it holds or is
+    computing. Of the ranks reaching any, the one reaching most (ties: the larger share of
+    its blocks free, so a burst spreads over ranks computing the same prompt) takes it,
+    sharing what it holds, unless its next blocks are still being computed there: then the
+    request waits for them (keyed as planned, they come a step later). Where every rank
+    reaching any is still computing and some rank reaches none, a miss goes to one of those:
+    a burst computes a shared prompt once a rank, in parallel."""
+    prefix = state.prefix
+    reaching: list[tuple[tuple[int, float, int], bool]] = []
+    fresh: list[int] = []
+    for rank in ranks:
+        held = held_by(state, rank)
+        reach = prefix.reach(seq.block_keys, rank, held)
+        if not reach:
+            fresh.append(rank)
+            continue
+        order = (reach, state.pools[rank].free_share, -rank)
+        reaching.append((order, prefix.coming(seq.block_keys, rank, held)))
+    if not reaching:
+        return ranks
+    if fresh and all(coming for _, coming in reaching):
+        return fresh
+    order, coming = max(reaching)
+    return None if coming else [-order[2]]
+
+
 def _place_in_blocks(state: PoolState, seq: Sequence, ranks: list[int]) -> None:
     """`place` in a cache of blocks: the rank whose cached blocks spare the most of the
     prompt (ties: a larger share of its blocks free), else the one with the largest share
@@ -190,6 +219,25 @@ def held_by(state: PoolState, rank: int) -> Callable[[bytes], bool]:
     """Whether a rank's blocks hold a prefix key."""
     pool = state.pools.get(rank)
     return (lambda key: key in pool.block_of) if pool is not None else (lambda key: False)
+
+
+def key_planned(state: PoolState, prefill: dict[int, list[list[PrefillChunk]]]) -> None:
+    """Key the full prompt blocks a step's chunks complete as the step is planned, not once
+    the request's first token is back: a rank runs its steps in order and every chunk
+    planned for a request it holds (one whose admission failed still computes its prompt),
+    so requests admitted to later steps may share them. A burst sharing a prompt starts on
+    it the step after its last block is planned. Where a block's boundary needs a mark (its
+    copy is taken in the launch), blocks are keyed at the first token, as before."""
+    size = state.config.block_size
+    for rank, launches in prefill.items():
+        pool = state.pools.get(rank)
+        if pool is None or pool.num_marks:
+            continue
+        ids = {chunk.request_id for launch in launches for chunk in launch}
+        for seq in (state.running[i] for i in sorted(ids) if i in state.running):
+            full = min(seq.num_prefilled // size, len(seq.block_keys))
+            if full:
+                pool.register(seq.block_keys[:full], seq.blocks[:full])
 
 
 def grow(state: PoolState, decoding: dict[int, list[Sequence]], plan: StepPlan) -> list[Sequence]:

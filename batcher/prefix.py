@@ -89,17 +89,19 @@ class PrefixIndex:
                 return any(h[0] == rank for h in self.computing.get(key, ()))
         return False
 
-    def awaited(
-        self,
-        keys: tuple[bytes, ...],
-        ranks: list[int],
-        held: Callable[[int], Callable[[bytes], bool]] | None = None,
-    ) -> bool:
+    def awaited(self, keys: tuple[bytes, ...], ranks: list[int]) -> bool:
         """Whether on every rank of `ranks` the next blocks of `keys` are being computed:
         waiting for them is then better than computing them once more anywhere."""
-        return bool(keys and ranks) and all(
-            self.coming(keys, rank, held(rank) if held is not None else None) for rank in ranks
-        )
+        return bool(keys and ranks) and all(self.coming(keys, rank) for rank in ranks)
+
+    def reach(self, keys: tuple[bytes, ...], rank: int, held: Callable[[bytes], bool]) -> int:
+        """How many of the leading `keys` the rank holds (as `held` says) or is computing."""
+        count = 0
+        for key in keys:
+            if not (held(key) or any(h[0] == rank for h in self.computing.get(key, ()))):
+                break
+            count += 1
+        return count
 
     def compute(self, holder: Holder, keys: tuple[bytes, ...]) -> None:
         """The slot's request will compute these blocks."""

@@ -26,7 +26,15 @@ from batcher.fairness import (
     prefill_order,
     share_of,
 )
-from batcher.placement import boundary_mark, grow, held_by, place, ranks_for, victim_order
+from batcher.placement import (
+    boundary_mark,
+    grow,
+    key_planned,
+    place,
+    ranks_for,
+    ranks_in_blocks,
+    victim_order,
+)
 from batcher.prefix import PrefixIndex
 from batcher.riding import ride, rooms_to_ride
 from schemas.control import PREEMPTED, PrefillChunk
@@ -319,6 +327,8 @@ def plan_step(state: PoolState) -> StepPlan:
     mixing = config.mix_decode and config.pack_prefill and not (config.mtp or config.lockstep)
     rooms = rooms_to_ride(plan.decode_launches, config.prefill_chunk) if mixing else {}
     plan.prefill = _plan_prefill(by_rank, state, rooms)
+    if config.paged and config.prefix_caching:
+        key_planned(state, plan.prefill)
     if mixing:
         plan.decode_launches = ride(plan.decode_launches, plan.prefill, config.prefill_chunk)
     return plan
@@ -379,7 +389,8 @@ def _admit(state: PoolState) -> list[Sequence]:
     """Admit waiting requests while there is room: most urgent first, and with several
     tenants waiting, in their fair order (batcher/fairness.py); none of a tenant at its
     `max_running`, and none whose next uncached blocks are being computed on every rank it
-    could go to (it waits for them, so a burst sharing a prompt computes it once a rank)."""
+    could go to (it waits for them, so a burst sharing a prompt computes it once a rank;
+    in a cache of blocks, none whose best rank is still computing them: `ranks_in_blocks`)."""
     admitted: list[Sequence] = []
     state.waiting.sort(key=lambda s: (-s.urgency, s.order))
     if not state.waiting or state.room() <= 0:
@@ -396,13 +407,17 @@ def _admit(state: PoolState) -> list[Sequence]:
         if held is not None and at_cap(tenants, seq.tenant, held):
             continue
         ranks = ranks_for(state, seq.isolated, seq)
-        holds = (lambda r: held_by(state, r)) if state.config.paged else None
-        seq.deferred = prefix is not None and prefix.awaited(seq.block_keys, ranks, holds)
-        if seq.deferred:  # the blocks it starts with come soon: it need not compute them
+        chosen: list[int] | None = ranks
+        if prefix is not None and state.config.paged and ranks:
+            chosen = ranks_in_blocks(state, seq, ranks)
+        elif prefix is not None:
+            chosen = None if prefix.awaited(seq.block_keys, ranks) else ranks
+        seq.deferred = chosen is None
+        if chosen is None:  # the blocks it starts with come soon: it need not compute them
             continue
         if not ranks:  # an isolated request waits for a rank to empty; the queue with it
             break
-        place(state, seq, ranks)
+        place(state, seq, chosen)
         state.add_running(seq)
         admitted.append(seq)
         if held is not None:

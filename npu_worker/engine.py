@@ -53,6 +53,7 @@ class SlotState:
     new_logprobs: list[dict[str, Any]] = field(default_factory=list)
     finish: str | None = None
     error: str | None = None
+    failure: Exception | None = None  # met at admission: it ends at its first token
 
     @property
     def decoding(self) -> bool:
@@ -203,8 +204,8 @@ class RankEngine:
                     raise ValueError("this rank serves no constrained output")
                 resumed = new.prompt_token_ids[new.num_prompt_tokens :]
                 state.matcher = self.constraints.matcher(new.grammar, resumed)
-            except Exception as exc:
-                self._fail(state, exc)
+            except Exception as exc:  # it still computes its prompt: blocks the planner
+                state.failure = exc  # keyed as planned may be shared by requests after it
         return state
 
     # -- launches -------------------------------------------------------------------------
@@ -258,8 +259,12 @@ class RankEngine:
         out = self.runner.prefill(
             chunks, [s.token_ids[c.start : c.start + c.num_tokens] for c, s in live]
         )
-        if finals:
-            self._sample([s for _, s in finals], out.logits[0, [j for j, _ in finals]], masks)
+        for _, state in finals:
+            if state.failure is not None:
+                self._fail(state, state.failure)
+        sampled = [(j, s) for j, s in finals if s.failure is None]
+        if sampled:
+            self._sample([s for _, s in sampled], out.logits[0, [j for j, _ in sampled]], masks)
         if self.runner.mtp:  # also for requests that just ended: the launches stay the same
             self._commit_sampled()  # the drafts read the sampled first tokens
             next_ids = [

@@ -213,6 +213,60 @@ def test_a_burst_sharing_a_prompt_computes_it_once_a_rank_and_the_rest_wait() ->
     assert all(s.num_cached == 3 * BLOCK for s in burst[2:])
 
 
+def test_in_blocks_a_burst_shares_a_prompt_from_the_step_after_its_blocks_are_planned() -> None:
+    """In a cache of blocks a prompt's full blocks are keyed as the step computing them is
+    planned (its rank runs its steps in order): the requests waiting for them are admitted
+    to the next step, sharing them, with no first token back yet."""
+    state = make_state(paged=True, max_kv_len=256, prefill_slots=1)  # 32 tokens a step
+    join_rank(state, 0, 64)
+    burst = [queue(state, f"b{i}", SHARED + [i], order=i) for i in range(3)]
+    plan_step(state)  # b0's first 32 tokens: blocks 0 and 1
+    assert burst[0].is_admitted and all(s.deferred for s in burst[1:])
+    assert state.pools[0].cached(burst[1].block_keys) == burst[0].blocks[:2]
+    plan_step(state)  # the rest of its prompt, block 2 with it; the others wait for it
+    assert all(s.deferred for s in burst[1:])
+    plan = plan_step(state)
+    assert {s.request_id for s in plan.admitted} == {"b1", "b2"}
+    for seq in burst[1:]:
+        assert seq.num_cached == 3 * BLOCK and seq.blocks[:3] == burst[0].blocks[:3]
+
+
+def test_in_blocks_a_burst_spreads_over_the_ranks_computing_its_prompt() -> None:
+    """A burst whose prompt one rank started computing a step before the other: the other
+    computes it too, and the rest of the burst is shared out between the two by the share
+    of their blocks free, a request waiting a step for the rank still computing, rather
+    than all going to the rank that finished first."""
+    state = make_state(ranks=2, slots=8, paged=True, max_kv_len=256, prefill_slots=1)
+    join_rank(state, 0, 64)
+    join_rank(state, 1, 64)
+    burst = [queue(state, "b0", SHARED + [0])]
+    plan_step(state)
+    burst += [queue(state, f"b{i}", SHARED + [i], order=i) for i in range(1, 9)]
+    for _ in range(4):
+        plan_step(state)
+    assert all(s.is_admitted for s in burst)
+    cold = [s for s in burst if not s.num_cached]
+    assert {s.rank for s in cold} == {0, 1} and len(cold) == 2  # once a rank
+    on = [sum(s.rank == rank for s in burst) for rank in (0, 1)]
+    assert abs(on[0] - on[1]) <= 1, on
+    assert all(s.num_cached == 3 * BLOCK for s in burst if s not in cold)
+
+
+def test_with_marks_a_prompts_blocks_are_keyed_once_its_first_token_is_back() -> None:
+    """Where a block's boundary needs a mark, copied in the launch that ends there, its
+    key waits for the first token, as the mark's copy is only known taken then."""
+    state = make_state(paged=True, max_kv_len=256)
+    join_rank(state, 0, 64, 4)
+    a = queue(state, "a", SHARED + [1])
+    b = queue(state, "b", SHARED + [2], order=1)
+    plan_step(state)
+    plan_step(state)
+    assert a.is_prefilled and b.deferred and not state.pools[0].cached(b.block_keys)
+    first_token(state, a)
+    plan = plan_step(state)
+    assert plan.admitted == [b] and b.num_cached == 3 * BLOCK
+
+
 def test_ranks_of_slightly_different_sizes_take_new_requests_in_turn() -> None:
     """Ranks sized from a share of their host's free memory differ by a few blocks; new
     requests still alternate between them (by the share of blocks free, not the count)."""

@@ -28,6 +28,8 @@ from npu_worker.runner import LaunchRunner
 from npu_worker.weights.loader import LoadedModel, load_model
 from npu_worker.weights.presets import resolve_model_dir
 from schemas.config import Settings
+from schemas.constraints import Constraint, Regex
+from schemas.control import StepResult
 from schemas.messages import GenerateRequest, SamplingParams
 from tests.helpers import LocalRank, random_prompt
 
@@ -48,6 +50,8 @@ class Served:
     preempted: int = 0  # requests preempted for want of blocks
     most_running: int = 0
     accepted: int = 0  # MTP drafts accepted
+    admitted_at: dict[str, int] = field(default_factory=dict)  # the step, first admission
+    errors: dict[str, str] = field(default_factory=dict)
 
 
 def workload(vocab_size: int) -> list[tuple[int, list[int], SamplingParams]]:
@@ -86,9 +90,13 @@ def serve(
     blocks: int = 0,
     block_size: int = 128,
     requests: list[tuple[int, list[int], SamplingParams]] | None = None,
+    lag: int = 0,
+    constraints: dict[str, Constraint] | None = None,
 ) -> Served:
     """Serve the workload (or `requests`) on one rank: slots reserving every position, or
-    a cache of `blocks` blocks of `block_size` tokens."""
+    a cache of `blocks` blocks of `block_size` tokens. Each step's result reaches the
+    planner `lag` steps later (as the batcher plans ahead of its ranks); `constraints`
+    (by request name) are ones this rank cannot serve."""
     memory = None
     if blocks:  # the blocks, and the slots' own state beside them (V4's rings and marks)
         probe = loaded.model.new_state(1, block_size, block_size, 1)
@@ -128,6 +136,7 @@ def serve(
     pending = requests if requests is not None else workload(loaded.config.vocab_size)
     tracked: dict[str, Tracked] = {}
     served = Served()
+    late: list[StepResult] = []  # results the planner has yet to see
 
     def queue(name: str, order: int, admission: int) -> None:
         entry = tracked[name]
@@ -142,14 +151,20 @@ def serve(
         for order, (arrival, prompt, sampling) in enumerate(pending):
             name = f"r{order}"
             if arrival <= step and name not in tracked:
-                request = GenerateRequest(id=name, prompt_token_ids=prompt, sampling=sampling)
+                request = GenerateRequest(
+                    id=name,
+                    prompt_token_ids=prompt,
+                    sampling=sampling,
+                    constraint=(constraints or {}).get(name),
+                )
                 tracked[name] = Tracked(b"0-1", "s", request, prompt)
                 served.tokens[name], served.logprobs[name] = [], []
                 queue(name, order, 1)
-        if len(tracked) == len(pending) and not (state.waiting or state.running):
+        if len(tracked) == len(pending) and not (state.waiting or state.running or late):
             return served
         plan = plan_step(state)
         for seq in plan.admitted:
+            served.admitted_at.setdefault(seq.request_id, step)
             if seq.num_cached and blocks:
                 served.shared += 1
             elif seq.num_cached:
@@ -163,8 +178,12 @@ def serve(
                 served.logprobs[chunk.id] += chunk.logprobs or []
                 if chunk.usage is not None:
                     served.cached[chunk.id] = chunk.usage.cached_tokens
+                if chunk.error is not None:
+                    served.errors[chunk.id] = chunk.error.message
             served.accepted += out.result.counts.num_draft_accepted
-            applied = apply_result(state, out.result)
+            late.append(out.result)
+        while len(late) > lag or (late and not plan.admitted and plan.is_empty):
+            applied = apply_result(state, late.pop(0))
             for name in applied.released:  # preempted: it resumes after what it published
                 served.preempted += 1
                 entry = tracked[name]
@@ -225,6 +244,47 @@ def test_llama_hits_holding_shared_blocks_give_the_tokens_and_logprobs_of_misses
     tiny: LoadedModel, tiny_mtp: LoadedModel, mtp: bool
 ) -> None:
     check_exact(tiny_mtp if mtp else tiny, mtp=mtp, blocks=40)
+
+
+@pytest.mark.fast
+def test_a_burst_shares_the_blocks_its_first_request_is_computing(tiny: LoadedModel) -> None:
+    """Six requests arrive at once sharing a 300-token prompt; the first carries a
+    constraint this rank cannot serve, and the planner sees each step's result two steps
+    late, as the batcher planning ahead does. The prompt's blocks are keyed as the step
+    computing them is planned, so the other five are admitted to the next step sharing them,
+    before the first request's first token is back; the first still computes its prompt,
+    then ends with its error. Each of the five gets the tokens and logprobs it gets with
+    prefix caching off."""
+    rng = random.Random(11)
+    vocab = tiny.config.vocab_size
+    system = random_prompt(rng, 300, vocab)
+    requests = [
+        (
+            1,
+            system + random_prompt(rng, rng.randrange(5, 40), vocab),
+            SamplingParams(
+                max_tokens=MAX_TOKENS,
+                ignore_eos=True,
+                logprobs=2,
+                temperature=0.9 if i % 2 else 0.0,
+                seed=50 + i if i % 2 else None,
+            ),
+        )
+        for i in range(6)
+    ]
+    failing: dict[str, Constraint] = {"r0": Regex(pattern="[a-z]+")}
+    options: dict[str, Any] = dict(requests=requests, lag=2, constraints=failing, mtp=False)
+    miss = serve(tiny, prefix_caching=False, **options)
+    hit = serve(tiny, prefix_caching=True, blocks=40, **options)
+    for served in (miss, hit):
+        assert "serves no constrained output" in served.errors["r0"]
+        assert served.tokens["r0"] == []
+    assert hit.shared == 5 and hit.admitted_at == {"r0": 1} | {f"r{i}": 2 for i in range(1, 6)}
+    for name in (f"r{i}" for i in range(1, 6)):
+        assert hit.cached[name] == 256  # two blocks, computed by r0
+        assert len(hit.tokens[name]) == MAX_TOKENS
+        assert hit.tokens[name] == miss.tokens[name], name
+        assert hit.logprobs[name] == miss.logprobs[name], name
 
 
 @pytest.mark.parametrize("model", ["llama", "llama-mtp", "v3-mtp", "v4", "v4-mtp"])
