@@ -8,6 +8,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "vector_math.h"
 #ifdef __AVX512F__
 #include <immintrin.h>
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -100,26 +102,6 @@ static inline float exp_nonpositive(float x) {
 }
 
 #ifdef __AVX512F__
-/* `exp_nonpositive` of 16 lanes, each lane by the same operations in the same order (no
-   fused multiply-add where the scalar one has none), so each gives the scalar's bits */
-static inline __m512 exp_nonpositive16(__m512 x) {
-    const __m512 floor = _mm512_set1_ps(-87.0f), shift = _mm512_set1_ps(12582912.0f);
-    x = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, floor, _CMP_GT_OQ), floor, x);
-    __m512 k = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                           shift), shift);
-    __m512 r = _mm512_sub_ps(_mm512_sub_ps(x, _mm512_mul_ps(k, _mm512_set1_ps(0.693145752f))),
-                             _mm512_mul_ps(k, _mm512_set1_ps(1.42860677e-6f)));
-    __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(0.00138888892f), _mm512_set1_ps(0.00833333377f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.0416666679f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.166666672f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    __m512i bits = _mm512_slli_epi32(
-        _mm512_add_epi32(_mm512_cvttps_epi32(k), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
-
 /* softmax numerators of row[0..n) in place, zeros on to `width`; returns their sum: 16
    lanes at a time, key t in lane t % 16, then one fixed tree of the lanes */
 static float softmax_row(float *row, int n, int width) {

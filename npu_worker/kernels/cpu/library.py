@@ -54,6 +54,7 @@ SOURCE_FILES = [
     Path(__file__).with_name(name)
     for name in ("kernels.c", "attention_avx2.c", "attention_amx.c", "matmul.c", "matmul_amx.c")
 ]
+HEADER_FILES = [Path(__file__).with_name("vector_math.h")]  # included by them: keys the build
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
@@ -385,7 +386,7 @@ def load_cpu_kernels() -> CpuKernels | None:
 def _built(compiler: str) -> Path:
     """The shared library for this source, compiler and CPU, compiled once (atomically, so
     ranks starting together never load a half-written file)."""
-    sources = [path.read_text() for path in SOURCE_FILES]
+    sources = [path.read_text() for path in (*SOURCE_FILES, *HEADER_FILES)]
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=True, timeout=30
     ).stdout

@@ -10,6 +10,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vector_math.h"
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 
@@ -45,26 +47,6 @@ static inline void store_sums(const float *sums, const float *bias, int b, int o
         _mm256_mask_storeu_epi16(out + (int64_t)(r0 + r) * out_stride + o, mask,
                                  narrow16(sum));
     }
-}
-
-/* e^x for x <= 0, 16 lanes, as kernels.c's `exp_nonpositive` computes each: x = k ln2 + r,
-   e^r by its Taylor polynomial (fused steps), 2^k into the exponent */
-static inline __m512 exp_nonpositive16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 shifter = _mm512_set1_ps(12582912.0f);
-    __m512 k = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                           shifter), shifter);
-    __m512 r = _mm512_sub_ps(_mm512_sub_ps(x, _mm512_mul_ps(k, _mm512_set1_ps(0.693145752f))),
-                             _mm512_mul_ps(k, _mm512_set1_ps(1.42860677e-6f)));
-    __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(0.00138888892f), _mm512_set1_ps(0.00833333377f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.0416666679f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.166666672f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    __m512i bits = _mm512_slli_epi32(
-        _mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
 
 /* bfloat16 bits (in the low halves of 32-bit lanes) widened to float32 */
