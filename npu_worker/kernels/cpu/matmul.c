@@ -9,6 +9,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "vector_math.h"
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define HAVE_AVX512 1
@@ -45,17 +47,6 @@ void pack_linear(const uint16_t *weight, int outputs, int inputs, int64_t stride
 }
 
 #ifdef HAVE_AVX512
-/* float32 to bfloat16, rounding to nearest even, NaN kept quiet (as torch rounds) */
-static inline __m256i narrow16(__m512 x) {
-    __m512i bits = _mm512_castps_si512(x);
-    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
-    __m512i rounded = _mm512_srli_epi32(up, 16);
-    rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q),
-                                    _mm512_set1_epi32(0x7fc0));
-    return _mm512_cvtepi32_epi16(rounded);
-}
-
 /* rows 0..R of x [rows, inputs] (float32, `x_stride` a row) times the packed blocks
    b0..b0+C, into out (bfloat16, `out_stride` a row), `outputs` wide in all. A pair's vector
    holds 16 outputs' weights for inputs 2p (low halves) and 2p+1 (high halves): a shift and a

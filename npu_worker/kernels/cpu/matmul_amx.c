@@ -23,17 +23,6 @@ int amx_request(void);
 void amx_begin(void);
 void amx_end(void);
 
-/* float32 to bfloat16, rounding to nearest even, NaN kept quiet (as torch rounds) */
-static inline __m256i narrow16(__m512 x) {
-    __m512i bits = _mm512_castps_si512(x);
-    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
-    __m512i rounded = _mm512_srli_epi32(up, 16);
-    rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q),
-                                    _mm512_set1_epi32(0x7fc0));
-    return _mm512_cvtepi32_epi16(rounded);
-}
-
 /* a tile of sums (16 rows x 16 floats in `sums`) plus the bias, rounded, into rows
    r0.. (of `rows`) and outputs 16b.. (of `outputs`) of out */
 static inline void store_sums(const float *sums, const float *bias, int b, int outputs,

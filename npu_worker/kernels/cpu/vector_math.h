@@ -1,9 +1,20 @@
-/* Arithmetic the kernels share (included by kernels.c and matmul_amx.c; library.py keys the
-   build by this file too). */
+/* Arithmetic the kernels share (included by kernels.c, matmul.c and matmul_amx.c;
+   library.py keys the build by this file too). */
 #ifndef NPUPOOL_VECTOR_MATH_H
 #define NPUPOOL_VECTOR_MATH_H
 #ifdef __AVX512F__
 #include <immintrin.h>
+
+/* float32 to bfloat16, rounding to nearest even, NaN kept quiet (as torch rounds) */
+static inline __m256i narrow16(__m512 x) {
+    __m512i bits = _mm512_castps_si512(x);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
+    __m512i rounded = _mm512_srli_epi32(up, 16);
+    rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q),
+                                    _mm512_set1_epi32(0x7fc0));
+    return _mm512_cvtepi32_epi16(rounded);
+}
 
 /* e^x for x <= 0, 16 lanes, each lane by kernels.c's `exp_nonpositive`'s operations in its
    order (no fused step where it has none), so each gives its bits: x = k ln2 + r, e^r by
